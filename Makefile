@@ -1,0 +1,36 @@
+# One-command set-up: every target that runs code installs first.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Pinned CPU torch first, so that resolving the package never pulls a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m hf_zo.demo
+
+bench: install
+	$(BIN)/python benchmarks/step_cost.py
+
+lint: install
+	$(BIN)/ruff check hf_zo tests examples benchmarks
+	$(BIN)/ruff format --check hf_zo tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,28 @@
+"""hf_zo: zeroth-order fine-tuning for the Hugging Face stack."""
+
+from .config import ZOConfig
+from .estimator import LazyParameters, SPSAEstimator, ZORecord
+from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
+from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .trainer import ZOTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LazyParameters",
+    "Noise",
+    "NoiseUpdate",
+    "SPSAEstimator",
+    "ZOAdam",
+    "ZOConfig",
+    "ZOOptimizer",
+    "ZORecord",
+    "ZOSGD",
+    "ZOSGDConservative",
+    "ZOSGDMomentum",
+    "ZOSGDSign",
+    "ZOTrainer",
+    "ZO_OPTIMIZERS",
+    "perturb_",
+    "restore_and_update_",
+]

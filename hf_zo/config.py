@@ -1,0 +1,87 @@
+"""`ZOConfig`: the training arguments of `ZOTrainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .noise import NOISE_DISTRIBUTIONS
+from .optim import ZO_OPTIMIZERS
+
+
+@dataclass
+class ZOConfig(TrainingArguments):
+    r"""
+    Configuration class for [`ZOTrainer`]: every argument of `transformers.TrainingArguments`, plus the `zo_*`
+    arguments below. Use `HfArgumentParser(ZOConfig)` to turn it into command-line arguments.
+
+    Parameters that control the zeroth-order estimate:
+
+        zo_eps (`float`, *optional*, defaults to `1e-3`):
+            Perturbation scale `eps` of the two-point estimate `(L(θ + eps z) - L(θ - eps z)) / (2 eps)`. MeZO
+            uses 1e-3 for full fine-tuning, 1e-2 for LoRA and 1e-1 for prefix tuning.
+        zo_num_perturbations (`int`, *optional*, defaults to `1`):
+            Perturbations `q` per micro-batch; each costs two forward passes. Gradient accumulation adds more.
+        zo_noise (`str`, *optional*, defaults to `"gaussian"`):
+            Perturbation distribution: `"gaussian"`, `"rademacher"`, or `"table"` (slices of one pre-generated
+            Gaussian table: near-zero generation cost).
+        zo_seed (`int`, *optional*):
+            Base seed of the perturbations (default: `seed`). Every perturbation's seed derives from it and the
+            step counter, so replicas, resumes and replays regenerate the same noise without communication.
+
+    Parameters that control the update:
+
+        zo_optimizer (`str`, *optional*, defaults to `"zo_sgd"`):
+            One of `"zo_sgd"` (MeZO), `"zo_sgd_momentum"`, `"zo_sgd_sign"`, `"zo_sgd_cons"` (conservative) or
+            `"zo_adam"`. Learning rate, weight decay (not applied to biases and norm weights), `adam_beta1`,
+            `adam_beta2` and `adam_epsilon` come from the usual `TrainingArguments` fields.
+        zo_momentum (`float`, *optional*, defaults to `0.9`):
+            Momentum of `"zo_sgd_momentum"`.
+        zo_max_consecutive_skips (`int`, *optional*, defaults to `10`):
+            Estimates with a non-finite loss are skipped (parameters restored, warning logged); after this many in a
+            row training stops with an error naming the step.
+
+    Defaults changed from `TrainingArguments`:
+
+        max_grad_norm (`float`, defaults to `0.0`):
+            ZO has no gradients to clip; any value is a no-op.
+        lr_scheduler_type (`str`, defaults to `"constant"`):
+            MeZO trains with a constant learning rate.
+    """
+
+    zo_eps: float = field(default=1e-3, metadata={"help": "Perturbation scale eps of the two-point estimate."})
+    zo_num_perturbations: int = field(default=1, metadata={"help": "Perturbations q per micro-batch."})
+    zo_noise: str = field(
+        default="gaussian", metadata={"help": "Noise distribution.", "choices": list(NOISE_DISTRIBUTIONS)}
+    )
+    zo_seed: int | None = field(default=None, metadata={"help": "Base seed of the perturbations (default: seed)."})
+    zo_optimizer: str = field(default="zo_sgd", metadata={"help": "ZO optimizer.", "choices": list(ZO_OPTIMIZERS)})
+    zo_momentum: float = field(default=0.9, metadata={"help": "Momentum of zo_sgd_momentum."})
+    zo_max_consecutive_skips: int = field(
+        default=10, metadata={"help": "Stop after this many consecutive non-finite losses."}
+    )
+    max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
+
+    def __post_init__(self):
+        self._validate_zo_arguments()
+        if self.zo_seed is None:
+            self.zo_seed = self.seed
+        super().__post_init__()
+
+    def _validate_zo_arguments(self) -> None:
+        if not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
+            raise ValueError(f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix).")
+        if self.zo_optimizer not in ZO_OPTIMIZERS:
+            raise ValueError(f"Unknown zo_optimizer {self.zo_optimizer!r}; choose one of {sorted(ZO_OPTIMIZERS)}.")
+        if self.zo_noise not in NOISE_DISTRIBUTIONS:
+            raise ValueError(f"Unknown zo_noise {self.zo_noise!r}; choose one of {list(NOISE_DISTRIBUTIONS)}.")
+        if not isinstance(self.zo_num_perturbations, int) or self.zo_num_perturbations < 1:
+            raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
+        if not 0.0 <= self.zo_momentum < 1.0:
+            raise ValueError(f"zo_momentum must be in [0, 1), got {self.zo_momentum!r}.")
+        if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
+            raise ValueError(
+                f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
+            )

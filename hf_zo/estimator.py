@@ -1,0 +1,147 @@
+"""Two-point (SPSA) zeroth-order gradient estimates over a set of parameters and a loss closure.
+
+The parameters are moved lazily: every move is composed into a pending :class:`~hf_zo.noise.NoiseUpdate` and only
+applied by the next sweep, so that the restore after the second forward, the optimizer's update and the next
+perturbation all share one pass over memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .noise import Noise, NoiseUpdate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ZORecord:
+    """One two-point estimate: the update direction is ``z(seed)`` scaled by `projected_grad`.
+
+    Attributes:
+        seed (`int`): seed of the perturbation noise.
+        projected_grad (`float`): ``(loss_plus - loss_minus) / (2 * eps)``, the directional derivative along ``z``.
+        loss_plus (`float`): loss at ``theta + eps * z``.
+        loss_minus (`float`): loss at ``theta - eps * z``.
+    """
+
+    seed: int
+    projected_grad: float
+    loss_plus: float
+    loss_minus: float
+
+    @property
+    def loss(self) -> float:
+        """Mean of the two perturbed losses: the loss that is logged."""
+        return 0.5 * (self.loss_plus + self.loss_minus)
+
+
+class LazyParameters:
+    """Trainable tensors, each with its stable noise index, and the update still pending on them.
+
+    Args:
+        tensors (`Sequence[tuple[int, torch.Tensor]]`): ``(index, tensor)`` pairs; indices must be unique.
+        noise (`Noise`): the noise that sweeps use.
+    """
+
+    def __init__(self, tensors: Sequence[tuple[int, torch.Tensor]], noise: Noise):
+        indices = [index for index, _ in tensors]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"Parameter noise indices must be unique, got {indices}.")
+        self.tensors = list(tensors)
+        self.noise = noise
+        self.pending = [NoiseUpdate() for _ in self.tensors]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def scale(self, factors: Sequence[float]) -> None:
+        """Compose ``p <- factor * p`` (one factor per tensor) into the pending update."""
+        for update, factor in zip(self.pending, factors):
+            update.scale(factor)
+
+    def add(self, seed: int, coeffs: float | Sequence[float]) -> None:
+        """Compose ``p <- p + coeff * z(seed)`` (a scalar or one coefficient per tensor) into the pending update."""
+        if isinstance(coeffs, (int, float)):
+            coeffs = [coeffs] * len(self.pending)
+        for update, coeff in zip(self.pending, coeffs):
+            update.add(seed, coeff)
+
+    def take_pending(self) -> list[NoiseUpdate]:
+        """Return the pending updates and forget them (the caller applies them)."""
+        pending, self.pending = self.pending, [NoiseUpdate() for _ in self.tensors]
+        return pending
+
+    def has_pending(self) -> bool:
+        """Whether any tensor has an update that has not been applied yet."""
+        return any(not u.is_identity() for u in self.pending)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Apply everything pending, so the tensors hold their true values (before eval, save, or end)."""
+        self.noise.apply_(self.tensors, self.take_pending())
+
+    def discard_pending(self) -> None:
+        """Forget the pending update (after the tensors were overwritten, e.g. by loading a checkpoint)."""
+        self.pending = [NoiseUpdate() for _ in self.tensors]
+
+
+class SPSAEstimator:
+    """Simultaneous-perturbation two-point estimator (MeZO's estimate).
+
+    For a seed ``s`` it evaluates the loss at ``theta + eps * z(s)`` and ``theta - eps * z(s)`` and returns the
+    projected gradient ``(L+ - L-) / (2 * eps)``. The restore to ``theta`` is left pending so that it fuses with
+    whatever moves the parameters next.
+
+    Args:
+        params (`LazyParameters`): the parameters to perturb.
+        eps (`float`): perturbation scale, > 0.
+    """
+
+    def __init__(self, params: LazyParameters, eps: float):
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}.")
+        self.params = params
+        self.eps = eps
+
+    @torch.no_grad()
+    def estimate(self, closure: Callable[[], torch.Tensor | float], seed: int) -> ZORecord | None:
+        """Two forwards around the current parameters; `None` (with a warning) if a loss is not finite.
+
+        Either way the parameters are (pending) restored to where they were; a dropped record is never applied.
+        """
+        self.params.add(seed, self.eps)
+        self.params.flush()
+        loss_plus = _as_float(closure())
+        self.params.add(seed, -2.0 * self.eps)
+        self.params.flush()
+        loss_minus = _as_float(closure())
+        self.params.add(seed, self.eps)
+        return make_record(seed, loss_plus, loss_minus, self.eps)
+
+
+def make_record(seed: int, loss_plus: float, loss_minus: float, eps: float) -> ZORecord | None:
+    """Build the record of a two-point estimate, or `None` with a warning if either loss is not finite."""
+    if not (math.isfinite(loss_plus) and math.isfinite(loss_minus)):
+        logger.warning(
+            "Non-finite loss in a ZO estimate (loss+=%s, loss-=%s, seed=%d): the parameters are restored and this "
+            "estimate is skipped.",
+            loss_plus,
+            loss_minus,
+            seed,
+        )
+        return None
+    return ZORecord(seed, (loss_plus - loss_minus) / (2.0 * eps), loss_plus, loss_minus)
+
+
+def _as_float(loss: torch.Tensor | float) -> float:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")
+        return float(loss.detach().float().item())
+    return float(loss)

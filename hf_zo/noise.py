@@ -1,0 +1,278 @@
+"""Counter-based perturbation noise and the fused, chunked, in-place sweeps that apply it.
+
+The noise ``z`` of a parameter is a pure function of ``(seed, index, distribution, device type)``: it is cut into
+fixed blocks of :data:`NOISE_BLOCK_NUMEL` elements and every block is drawn from its own generator, seeded by a
+hash of ``(seed, index, block number)``. Hence ``z`` never depends on traversal order, on which other parameters
+exist, on the chunk size used to sweep over it, or on the global RNG (which is never touched). Any chunk of any
+parameter can be regenerated on its own, by any thread, which makes the sweeps parallel and exact.
+
+A sweep brings a tensor to ``decay * tensor + sum_j coeff_j * z(seed_j)`` in one pass over memory, a chunk at a
+time, so the only temporary is one chunk of noise per worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+NOISE_BLOCK_NUMEL = 1 << 16
+"""Elements drawn from one seeded generator. Fixed: changing it changes every ``z``."""
+
+DEFAULT_CHUNK_NUMEL = 1 << 18
+"""Default elements per sweep chunk (a multiple of :data:`NOISE_BLOCK_NUMEL`)."""
+
+NOISE_DISTRIBUTIONS = ("gaussian", "rademacher", "table")
+
+DEFAULT_TABLE_NUMEL = 1 << 23
+"""Default size of the shared Gaussian table for ``distribution="table"`` (32 MiB in fp32)."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*values: int) -> int:
+    """Hash integers into one 63-bit seed (order-sensitive, platform-independent)."""
+    h = 0x243F6A8885A308D3
+    for v in values:
+        h = _splitmix64(h ^ (int(v) & _MASK64))
+    return h >> 1
+
+
+@dataclass
+class NoiseUpdate:
+    """An in-place affine update ``p <- decay * p + sum(coeff * z(seed) for seed, coeff in terms)``.
+
+    Terms are applied in insertion order; two updates with the same operations in the same order give bitwise the
+    same result however they are grouped into sweeps.
+    """
+
+    decay: float = 1.0
+    terms: dict[int, float] = field(default_factory=dict)
+
+    def scale(self, factor: float) -> None:
+        """Compose with a later ``p <- factor * p``."""
+        if factor == 1.0:
+            return
+        self.decay *= factor
+        for seed in self.terms:
+            self.terms[seed] *= factor
+
+    def add(self, seed: int, coeff: float) -> None:
+        """Compose with a later ``p <- p + coeff * z(seed)``."""
+        self.terms[seed] = self.terms.get(seed, 0.0) + coeff
+
+    def is_identity(self) -> bool:
+        """Whether applying this update leaves the tensor unchanged."""
+        return self.decay == 1.0 and not any(self.terms.values())
+
+
+class Noise:
+    """Generator of counter-based perturbation noise and executor of the sweeps that apply it.
+
+    Args:
+        distribution (`str`, defaults to `"gaussian"`):
+            `"gaussian"` (standard normal), `"rademacher"` (+1/-1 with equal probability) or `"table"` (slices of one
+            shared, pre-generated Gaussian table at seeded offsets: near-zero generation cost).
+        chunk_numel (`int`, defaults to `DEFAULT_CHUNK_NUMEL`):
+            Elements processed per chunk; rounded up to a multiple of `NOISE_BLOCK_NUMEL`. Bounds the temporary
+            memory of a sweep to one chunk per worker. Does not change the noise.
+        num_workers (`int`, *optional*):
+            Threads that sweep CPU chunks in parallel. Defaults to `torch.get_num_threads()`.
+        table_numel (`int`, defaults to `DEFAULT_TABLE_NUMEL`):
+            Size of the shared table when `distribution="table"`.
+        table_seed (`int`, defaults to 0):
+            Seed of the shared table.
+    """
+
+    def __init__(
+        self,
+        distribution: str = "gaussian",
+        chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+        num_workers: int | None = None,
+        table_numel: int = DEFAULT_TABLE_NUMEL,
+        table_seed: int = 0,
+    ):
+        if distribution not in NOISE_DISTRIBUTIONS:
+            raise ValueError(f"Unknown noise distribution {distribution!r}; choose one of {NOISE_DISTRIBUTIONS}.")
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}.")
+        if distribution == "table" and table_numel < 2 * NOISE_BLOCK_NUMEL:
+            raise ValueError(f"table_numel must be >= {2 * NOISE_BLOCK_NUMEL}, got {table_numel}.")
+        self.distribution = distribution
+        self.chunk_numel = -(-chunk_numel // NOISE_BLOCK_NUMEL) * NOISE_BLOCK_NUMEL
+        self.num_workers = num_workers or torch.get_num_threads()
+        self.table_numel = table_numel
+        self.table_seed = table_seed
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(_local=None, _pool=None, _tables={})
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ generation
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        cache = getattr(self._local, "generators", None)
+        if cache is None:
+            cache = self._local.generators = {}
+        if device not in cache:
+            cache[device] = torch.Generator(device=device)
+        return cache[device]
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if device not in self._tables:
+            generator = torch.Generator(device="cpu").manual_seed(self.table_seed)
+            table = torch.randn(self.table_numel, generator=generator)
+            self._tables[device] = table.to(device)
+        return self._tables[device]
+
+    def fill_(self, out: torch.Tensor, seed: int, index: int, start: int) -> torch.Tensor:
+        """Write ``z[start : start + out.numel()]`` of parameter `index` for `seed` into the fp32 vector `out`.
+
+        `start` must be a multiple of `NOISE_BLOCK_NUMEL`; the noise does not depend on how a parameter is cut.
+        """
+        if start % NOISE_BLOCK_NUMEL:
+            raise ValueError(f"start must be a multiple of {NOISE_BLOCK_NUMEL}, got {start}.")
+        numel = out.numel()
+        first_block = start // NOISE_BLOCK_NUMEL
+        for offset in range(0, numel, NOISE_BLOCK_NUMEL):
+            block = out[offset : offset + NOISE_BLOCK_NUMEL]
+            block_seed = mix_seed(seed, index, first_block + offset // NOISE_BLOCK_NUMEL)
+            if self.distribution == "table":
+                table = self._table(out.device)
+                position = block_seed % (self.table_numel - block.numel() + 1)
+                block.copy_(table[position : position + block.numel()])
+                continue
+            generator = self._generator(out.device)
+            generator.manual_seed(block_seed)
+            if self.distribution == "gaussian":
+                block.normal_(generator=generator)
+            else:
+                block.bernoulli_(0.5, generator=generator).mul_(2.0).sub_(1.0)
+        return out
+
+    def sample(self, seed: int, index: int, shape: torch.Size | Sequence[int], device="cpu") -> torch.Tensor:
+        """Return the whole noise tensor of parameter `index` (for tests and small tensors)."""
+        out = torch.empty(torch.Size(shape), dtype=torch.float32, device=device)
+        self.fill_(out.view(-1), seed, index, 0)
+        return out
+
+    # ------------------------------------------------------------------ sweeps
+
+    def map_chunks(
+        self,
+        tensors: Sequence[tuple[int, torch.Tensor]],
+        visit: Callable[[int, int, torch.Tensor, list[torch.Tensor]], None],
+        num_scratch: int = 1,
+    ) -> None:
+        """Call ``visit(position, start, chunk, scratch)`` on every chunk of every tensor, in parallel on CPU.
+
+        `position` is the tensor's position in `tensors`, `chunk` a flat in-place view of the tensor's elements
+        ``[start, start + chunk.numel())``, and `scratch` a list of `num_scratch` per-worker fp32 buffers of the
+        chunk's size (for noise and accumulators). Chunks are disjoint, so the result does not depend on scheduling.
+        """
+        work = []
+        for position, (_, tensor) in enumerate(tensors):
+            for start in range(0, tensor.numel(), self.chunk_numel):
+                work.append((position, start))
+        if not work:
+            return
+        flats = [_flat_view(t) for _, t in tensors]
+
+        def run(items):
+            scratch = {}
+            for position, start in items:
+                flat = flats[position]
+                chunk = flat[start : start + self.chunk_numel]
+                key = (chunk.device, chunk.numel())
+                if key not in scratch:
+                    scratch[key] = [
+                        torch.empty(chunk.numel(), dtype=torch.float32, device=chunk.device)
+                        for _ in range(num_scratch)
+                    ]
+                visit(position, start, chunk, scratch[key])
+
+        on_cpu = all(t.device.type == "cpu" for _, t in tensors)
+        workers = min(self.num_workers, len(work)) if on_cpu else 1
+        if workers <= 1:
+            run(work)
+        else:
+            if self._pool is None or self._pool_workers != workers:
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_zo_noise")
+                self._pool_workers = workers
+            futures = [self._pool.submit(run, work[w::workers]) for w in range(workers)]
+            for future in futures:
+                future.result()
+        for (_, tensor), flat in zip(tensors, flats):
+            if not tensor.is_contiguous():
+                tensor.data.copy_(flat.view_as(tensor))
+
+    def apply_(self, tensors: Sequence[tuple[int, torch.Tensor]], updates: Sequence[NoiseUpdate]) -> None:
+        """Apply ``updates[k]`` to ``tensors[k] = (index, tensor)`` in place, in one sweep over memory."""
+        live = [(k, u) for k, u in enumerate(updates) if not u.is_identity()]
+        if not live:
+            return
+        selected = [tensors[k] for k, _ in live]
+        plans = [(u.decay, [(s, c) for s, c in u.terms.items() if c != 0.0]) for _, u in live]
+
+        def visit(position, start, chunk, scratch):
+            decay, terms = plans[position]
+            index = selected[position][0]
+            if decay != 1.0:
+                chunk.mul_(decay)
+            for seed, coeff in terms:
+                chunk.add_(self.fill_(scratch[0], seed, index, start), alpha=coeff)
+
+        self.map_chunks(selected, visit)
+
+
+def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view sharing memory when possible, else a contiguous copy written back after the sweep."""
+    if tensor.is_contiguous():
+        return tensor.data.view(-1)
+    return tensor.data.contiguous().view(-1)
+
+
+def perturb_(tensors: Sequence[tuple[int, torch.Tensor]], seed: int, scale: float, noise: Noise | None = None) -> None:
+    """In place, ``p <- p + scale * z(seed, index)`` for every ``(index, p)`` in `tensors`."""
+    noise = noise or Noise()
+    noise.apply_(tensors, [NoiseUpdate(terms={seed: scale}) for _ in tensors])
+
+
+def restore_and_update_(
+    tensors: Sequence[tuple[int, torch.Tensor]],
+    seed: int,
+    eps: float,
+    lr: float,
+    projected_grad: float,
+    weight_decay: float | Sequence[float] = 0.0,
+    noise: Noise | None = None,
+) -> None:
+    """One sweep of ``p <- (1 - lr * wd) * (p + eps * z) - lr * projected_grad * z`` (the MeZO restore and update)."""
+    noise = noise or Noise()
+    decays = [weight_decay] * len(tensors) if isinstance(weight_decay, (int, float)) else list(weight_decay)
+    updates = []
+    for wd in decays:
+        update = NoiseUpdate(terms={seed: eps})
+        update.scale(1.0 - lr * wd)
+        update.add(seed, -lr * projected_grad)
+        updates.append(update)
+    noise.apply_(tensors, updates)

@@ -1,0 +1,227 @@
+"""`ZOOptimizer`: the base of every zeroth-order optimizer.
+
+A ZO optimizer is a `torch.optim.Optimizer` (so LR schedulers, `param_groups` and checkpointing work unchanged)
+whose gradient information is a list of :class:`~hf_zo.estimator.ZORecord` ``(seed, projected_grad)``. Each
+subclass only turns those records into a parameter update (:meth:`ZOOptimizer._apply_records`).
+
+Two ways to drive it:
+
+- a plain loop: ``loss = opt.step(closure)`` where ``closure()`` returns the loss of one forward pass (it is called
+  once per perturbation sign, under `torch.no_grad`);
+- gradient accumulation (what `ZOTrainer` does): ``opt.estimate(closure)`` once per micro-batch, then
+  ``opt.step()`` applies all the records at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..estimator import LazyParameters, SPSAEstimator, ZORecord
+from ..noise import Noise, mix_seed
+
+Closure = Callable[[], torch.Tensor | float]
+
+
+class ZOOptimizer(torch.optim.Optimizer):
+    """Base class of the zeroth-order optimizers.
+
+    Args:
+        params (`Iterable`):
+            Parameters or parameter groups, as for any `torch.optim.Optimizer`. A group may carry `"indices"`: the
+            stable index of each of its parameters among the model's trainable parameters, which keys the noise
+            (DESIGN invariant 1). Without it, parameters are numbered in the order given.
+        lr (`float`): learning rate.
+        eps (`float`, defaults to 1e-3): perturbation scale of the two-point estimate.
+        weight_decay (`float`, defaults to 0.0): decoupled weight decay, ``p <- (1 - lr * wd) * p``.
+        noise (`str` or `Noise`, defaults to `"gaussian"`): the perturbation distribution.
+        num_perturbations (`int`, defaults to 1): perturbations (records) per call of :meth:`estimate`.
+        seed (`int`, defaults to 0): base seed; the seed of each perturbation derives from it and the step counter.
+        max_consecutive_skips (`int`, *optional*):
+            Stop with an error after this many consecutive estimates with a non-finite loss.
+        **defaults: further per-group hyper-parameters of the subclass.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        eps: float = 1e-3,
+        weight_decay: float = 0.0,
+        noise: str | Noise = "gaussian",
+        num_perturbations: int = 1,
+        seed: int = 0,
+        max_consecutive_skips: int | None = None,
+        **defaults,
+    ):
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}.")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}; typical values are 1e-3 (full) to 1e-1 (prefix).")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
+        if not isinstance(num_perturbations, int) or num_perturbations < 1:
+            raise ValueError(f"num_perturbations must be an integer >= 1, got {num_perturbations!r}.")
+        if max_consecutive_skips is not None and max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips}.")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **defaults))
+        self.noise = noise if isinstance(noise, Noise) else Noise(noise)
+        self.eps = eps
+        self.num_perturbations = num_perturbations
+        self.seed = int(seed)
+        self.max_consecutive_skips = max_consecutive_skips
+        self.zo_step = 0
+        self.num_skipped = 0
+        self.consecutive_skips = 0
+        self.records: list[ZORecord] = []
+        self._num_estimates = 0
+        self._last_closure: Closure | None = None
+        self._build_parameters()
+
+    # ------------------------------------------------------------------ parameters
+
+    def _build_parameters(self) -> None:
+        with_indices = ["indices" in g for g in self.param_groups]
+        if any(with_indices) and not all(with_indices):
+            raise ValueError("Either every parameter group carries 'indices' or none does.")
+        tensors, self._group_of = [], []
+        next_index = 0
+        for group_id, group in enumerate(self.param_groups):
+            indices = group.get("indices") or list(range(next_index, next_index + len(group["params"])))
+            if len(indices) != len(group["params"]):
+                raise ValueError(
+                    f"Parameter group {group_id} has {len(group['params'])} params but {len(indices)} indices."
+                )
+            next_index += len(group["params"])
+            for index, param in zip(indices, group["params"]):
+                tensors.append((int(index), param))
+                self._group_of.append(group_id)
+        if not tensors:
+            raise ValueError("The optimizer got no parameters: check that some have requires_grad=True.")
+        self.params = LazyParameters(tensors, self.noise)
+        self.estimator = SPSAEstimator(self.params, self.eps)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group (see `torch.optim.Optimizer.add_param_group`)."""
+        if getattr(self, "params", None) is not None and self.params.has_pending():
+            raise RuntimeError("Cannot add a parameter group while an update is pending; call flush() first.")
+        super().add_param_group(param_group)
+        if getattr(self, "params", None) is not None:
+            self._build_parameters()
+
+    def group_values(self, key: str) -> list[float]:
+        """The value of hyper-parameter `key` for each parameter, from its group."""
+        return [self.param_groups[g][key] for g in self._group_of]
+
+    # ------------------------------------------------------------------ estimate and step
+
+    def perturbation_seed(self, step: int, k: int) -> int:
+        """Seed of the `k`-th perturbation of optimizer step `step`: shared by every replica, never broadcast."""
+        return mix_seed(self.seed, step, k)
+
+    def estimate(self, closure: Closure) -> list[ZORecord]:
+        """Run `num_perturbations` two-point estimates on `closure` and keep their records for :meth:`step`.
+
+        Returns the records that were kept (estimates with a non-finite loss are dropped with a warning).
+        """
+        kept = []
+        for _ in range(self.num_perturbations):
+            seed = self.perturbation_seed(self.zo_step, self._num_estimates)
+            self._num_estimates += 1
+            record = self._estimate_one(closure, seed)
+            if record is None:
+                self._count_skip()
+            else:
+                self.consecutive_skips = 0
+                kept.append(record)
+        self.records.extend(kept)
+        self._last_closure = closure
+        return kept
+
+    def _estimate_one(self, closure: Closure, seed: int) -> ZORecord | None:
+        return self.estimator.estimate(closure, seed)
+
+    def _count_skip(self) -> None:
+        self.num_skipped += 1
+        self.consecutive_skips += 1
+        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} consecutive ZO estimates had a non-finite loss (at optimizer step "
+                f"{self.zo_step}). Lower the learning rate or zo_eps, train in fp32/bf16 instead of fp16, or check "
+                "the data for empty or corrupt examples."
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Closure | None = None) -> float | None:
+        """Apply the accumulated records as one update (estimating first on `closure` if given).
+
+        Returns the mean perturbed loss of this step's records, or `None` if there were none.
+        """
+        if closure is not None:
+            self.estimate(closure)
+        records, self.records = self.records, []
+        loss = sum(r.loss for r in records) / len(records) if records else None
+        if records:
+            self._apply_records(records)
+        self._num_estimates = 0
+        self.zo_step += 1
+        return loss
+
+    def _apply_records(self, records: list[ZORecord]) -> None:
+        """Turn this step's records into a parameter update. Subclasses implement the method."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _apply_records.")
+
+    def flush(self) -> None:
+        """Apply any pending (fused, deferred) move so the parameters hold their true values."""
+        self.params.flush()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """The `torch.optim` state plus the ZO counters (base seed, step, skips) needed for exact resume."""
+        if self.records:
+            raise RuntimeError("Cannot save the optimizer in the middle of an accumulation; call step() first.")
+        state = super().state_dict()
+        state["zo"] = {
+            "optimizer": type(self).__name__,
+            "seed": self.seed,
+            "step": self.zo_step,
+            "eps": self.eps,
+            "noise": self.noise.distribution,
+            "num_perturbations": self.num_perturbations,
+            "num_skipped": self.num_skipped,
+            "consecutive_skips": self.consecutive_skips,
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state saved by :meth:`state_dict` of the same optimizer class."""
+        zo = state_dict.get("zo")
+        if zo is None:
+            raise ValueError(
+                "This optimizer state has no 'zo' entry: it was not saved by a ZO optimizer. Resume from a checkpoint "
+                "written by ZOTrainer, or start without resume_from_checkpoint."
+            )
+        if zo["optimizer"] != type(self).__name__:
+            raise ValueError(
+                f"The checkpoint was written by {zo['optimizer']} but this run uses {type(self).__name__}; resume "
+                "with the same zo_optimizer."
+            )
+        if zo["noise"] != self.noise.distribution:
+            raise ValueError(
+                f"The checkpoint used zo_noise={zo['noise']!r} but this run uses {self.noise.distribution!r}; resume "
+                "with the same zo_noise."
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zo"})
+        self.seed = int(zo["seed"])
+        self.zo_step = int(zo["step"])
+        self.num_skipped = int(zo["num_skipped"])
+        self.consecutive_skips = int(zo["consecutive_skips"])
+        self.records, self._num_estimates = [], 0
+
+
+def mean_projected_grads(records: list[ZORecord]) -> list[tuple[int, float]]:
+    """``(seed, projected_grad / n)`` for each record: the weights of ``z(seed)`` in the averaged gradient."""
+    n = len(records)
+    return [(r.seed, r.projected_grad / n) for r in records]

@@ -1,0 +1,259 @@
+"""`ZOTrainer`: `transformers.Trainer` with zeroth-order (MeZO-style) optimization.
+
+Only a few hooks are overridden: the optimizer is a :class:`~hf_zo.optim.ZOOptimizer`, a training step is a
+two-point estimate instead of forward + backward, and pending (fused, deferred) updates are applied before the
+model is evaluated, saved or handed back. Everything else (data loading and resume, LR schedules, logging,
+evaluation, callbacks, checkpoints, model cards, `push_to_hub`) is `Trainer`'s own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging
+
+from .config import ZOConfig
+from .optim import ZO_OPTIMIZERS, ZOOptimizer
+
+logger = logging.get_logger(__name__)
+
+
+def unwrap_zo_optimizer(optimizer) -> ZOOptimizer | None:
+    """The `ZOOptimizer` inside `optimizer` (e.g. an Accelerate `AcceleratedOptimizer`), or `None`."""
+    while optimizer is not None and not isinstance(optimizer, ZOOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+class ZOFlushCallback(TrainerCallback):
+    """Applies the pending update when training reaches its last step, before `Trainer` may reload the best model."""
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step >= state.max_steps or control.should_training_stop:
+            zo_optimizer = unwrap_zo_optimizer(optimizer)
+            if zo_optimizer is not None:
+                zo_optimizer.flush()
+
+
+class ZOTrainer(Trainer):
+    """Trainer for zeroth-order fine-tuning: a drop-in replacement for `transformers.Trainer`.
+
+    Each training step estimates the gradient from two forward passes at ``θ ± eps z`` (no backward pass, no
+    gradient buffers; dropout is disabled in these forwards so that both see the same network). Gradient
+    accumulation adds perturbations: each micro-batch contributes one record per perturbation and the optimizer
+    step applies them all. Checkpoints carry the ZO state (base seed, step, optimizer state) so resuming reproduces
+    the uninterrupted run bitwise.
+
+    Args:
+        model (`PreTrainedModel` or `torch.nn.Module`): the model to train; a PEFT model trains its adapter only.
+        args (`ZOConfig`, *optional*): training arguments; a plain `TrainingArguments` is converted.
+        data_collator, train_dataset, eval_dataset, processing_class: as for `transformers.Trainer`.
+        **kwargs: any other `transformers.Trainer` argument (`compute_metrics`, `callbacks`, `optimizers`, ...).
+    """
+
+    _tag_names = ["zeroth-order", "hf-zo"]
+
+    def __init__(
+        self,
+        model=None,
+        args: ZOConfig | TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        **kwargs,
+    ):
+        if args is None:
+            model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "model"
+            args = ZOConfig(output_dir=f"{model_name.split('/')[-1]}-ZO")
+        elif not isinstance(args, ZOConfig):
+            args = _to_zo_config(args)
+        if model is not None:
+            _check_trainable(model)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        if self.optimizer is not None and unwrap_zo_optimizer(self.optimizer) is None:
+            raise TypeError(
+                f"ZOTrainer needs a ZOOptimizer, got {type(self.optimizer).__name__}; pass one of hf_zo.optim's "
+                "optimizers in `optimizers=(...)` or leave it unset and choose `zo_optimizer` in ZOConfig."
+            )
+        self._check_train_dataset()
+        self.add_callback(ZOFlushCallback)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
+        self._zo_log_grads: list[float] = []
+        self._zo_log_skipped = 0
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_train_dataset(self) -> None:
+        """Fail at construction, not mid-training, when the training data cannot produce a loss."""
+        dataset = self.train_dataset
+        if dataset is None or self.compute_loss_func is not None:
+            return
+        try:
+            size = len(dataset)
+        except TypeError:
+            return
+        if size == 0:
+            raise ValueError("train_dataset is empty: ZOTrainer needs at least one training example.")
+        example = dataset[0]
+        if not isinstance(example, Mapping):
+            return
+        if self.args.remove_unused_columns:
+            self._set_signature_columns_if_needed()
+            example = {k: v for k, v in example.items() if k in self._signature_columns}
+        try:
+            batch = self.data_collator([example])
+        except Exception as error:  # the dataloader will raise it with full context; this check is best effort
+            logger.debug("Could not collate a probe batch (%s); label check skipped.", error)
+            return
+        if not any(name in batch for name in self.label_names):
+            raise ValueError(
+                f"The training batches have no labels (looked for {self.label_names} in the collated batch, got "
+                f"{sorted(batch)}). ZO needs a loss: add a 'label'/'labels' column, use a collator that creates "
+                "labels (e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False) for causal LM), or pass "
+                "compute_loss_func."
+            )
+
+    # ------------------------------------------------------------------ optimizer
+
+    @property
+    def zo_optimizer(self) -> ZOOptimizer | None:
+        """The `ZOOptimizer` driving training (unwrapped from Accelerate), once created."""
+        return unwrap_zo_optimizer(self.optimizer)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """Build the `ZOOptimizer` named by `args.zo_optimizer` over the trainable parameters.
+
+        Each parameter's noise index is its position among the model's trainable parameters, and biases and norm
+        weights get no weight decay (MeZO).
+        """
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        decay_names = set(self.get_decay_parameter_names(model))
+        groups = {True: {"params": [], "indices": []}, False: {"params": [], "indices": []}}
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        for index, (name, param) in enumerate(trainable):
+            groups[name in decay_names]["params"].append(param)
+            groups[name in decay_names]["indices"].append(index)
+        groups[True]["weight_decay"] = self.args.weight_decay
+        groups[False]["weight_decay"] = 0.0
+        param_groups = [g for g in groups.values() if g["params"]]
+        self.optimizer = build_zo_optimizer(self.args, param_groups)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ training step
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """One micro-batch: `zo_num_perturbations` two-point estimates; the update waits for `optimizer.step()`.
+
+        Returns the mean perturbed loss, scaled for gradient accumulation like `Trainer.training_step`.
+        """
+        model.eval()
+        inputs = self._prepare_inputs(inputs)
+
+        def closure():
+            with self.compute_loss_context_manager():
+                return self.compute_loss(model, inputs)
+
+        optimizer = self.zo_optimizer
+        skipped_before = optimizer.num_skipped
+        records = optimizer.estimate(closure)
+        self._zo_log_skipped += optimizer.num_skipped - skipped_before
+        self._zo_log_grads.extend(r.projected_grad for r in records)
+        loss = sum(r.loss for r in records) / len(records) if records else math.nan
+        return torch.tensor(loss / self.current_gradient_accumulation_steps, device=self.args.device)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add `projected_grad` (mean since the last log) and `zo_skipped` to the training logs."""
+        if "loss" in logs:
+            if self._zo_log_grads:
+                logs["projected_grad"] = sum(self._zo_log_grads) / len(self._zo_log_grads)
+            logs["zo_skipped"] = self._zo_log_skipped
+            self._zo_log_grads, self._zo_log_skipped = [], 0
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ pending updates
+
+    def flush_pending_update(self) -> None:
+        """Apply the deferred part of the last update so the model holds its true weights."""
+        optimizer = self.zo_optimizer
+        if optimizer is not None:
+            optimizer.flush()
+
+    def train(self, *args, **kwargs):
+        """`Trainer.train`, with the last pending update applied before returning."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.flush_pending_update()
+
+    def evaluate(self, *args, **kwargs):
+        """`Trainer.evaluate` on the true (flushed) weights."""
+        self.flush_pending_update()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """`Trainer.predict` on the true (flushed) weights."""
+        self.flush_pending_update()
+        return super().predict(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model` of the true (flushed) weights; used by checkpoints too."""
+        self.flush_pending_update()
+        super().save_model(output_dir, _internal_call=_internal_call)
+
+    def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
+        """`Trainer.create_model_card` with the `zeroth-order` and `hf-zo` tags added."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [t for t in self._tag_names if t not in tags]
+        super().create_model_card(*args, tags=tags, **kwargs)
+
+
+def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
+    """Instantiate the optimizer named by `args.zo_optimizer` with the hyper-parameters of `args`."""
+    cls = ZO_OPTIMIZERS[args.zo_optimizer]
+    kwargs = dict(
+        lr=args.learning_rate,
+        eps=args.zo_eps,
+        weight_decay=args.weight_decay,
+        noise=args.zo_noise,
+        num_perturbations=args.zo_num_perturbations,
+        seed=args.zo_seed,
+        max_consecutive_skips=args.zo_max_consecutive_skips,
+    )
+    if args.zo_optimizer == "zo_sgd_momentum":
+        kwargs["momentum"] = args.zo_momentum
+    elif args.zo_optimizer == "zo_adam":
+        kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
+        kwargs["adam_eps"] = args.adam_epsilon
+    return cls(param_groups, **kwargs)
+
+
+def _check_trainable(model: torch.nn.Module) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (every requires_grad is False), so there is nothing "
+            "for ZO to update. For PEFT, wrap the model with peft.get_peft_model(model, config); for full "
+            "fine-tuning, call model.requires_grad_(True)."
+        )
+
+
+def _to_zo_config(args: TrainingArguments) -> ZOConfig:
+    init_fields = {f.name for f in dataclasses.fields(ZOConfig) if f.init}
+    values = {k: v for k, v in args.to_dict().items() if k in init_fields}
+    values["hub_token"] = args.hub_token
+    return ZOConfig(**values)

@@ -1,0 +1,104 @@
+"""Tiny random models built from configs in code (no downloads), shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 64
+
+
+def tiny_causal_lm(family: str = "opt", seed: int = 0) -> torch.nn.Module:
+    """A 2-layer causal LM of the given family with random weights."""
+    torch.manual_seed(seed)
+    if family == "opt":
+        config = OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            pad_token_id=1,
+        )
+        return OPTForCausalLM(config)
+    if family == "llama":
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return LlamaForCausalLM(config)
+    if family == "qwen2":
+        config = Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        return Qwen2ForCausalLM(config)
+    if family == "gpt2":
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        return GPT2LMHeadModel(config)
+    raise ValueError(f"unknown family {family!r}")
+
+
+def tiny_bert_classifier(num_labels: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer BERT sequence classifier with random weights."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+    )
+    return BertForSequenceClassification(config)
+
+
+def lm_dataset(num_examples: int = 16, length: int = 16, seed: int = 0):
+    """Token sequences with a learnable pattern (arithmetic progressions), as a `datasets.Dataset`."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_examples):
+        start = int(torch.randint(2, VOCAB, (1,), generator=generator))
+        step = int(torch.randint(1, 4, (1,), generator=generator))
+        ids = [2 + (start + step * i) % (VOCAB - 2) for i in range(length)]
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
+    return Dataset.from_list(rows)
+
+
+def classification_dataset(num_examples: int = 16, length: int = 8, seed: int = 0):
+    """Sequences labelled by whether their first token is in the lower half of the vocabulary."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_examples):
+        ids = torch.randint(2, VOCAB, (length,), generator=generator).tolist()
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "label": int(ids[0] < VOCAB // 2)})
+    return Dataset.from_list(rows)
