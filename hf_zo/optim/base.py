@@ -14,9 +14,11 @@ Two ways to drive it:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..estimator import LazyParameters, SPSAEstimator, ZORecord
 from ..noise import Noise, mix_seed
@@ -77,6 +79,7 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.records: list[ZORecord] = []
         self._num_estimates = 0
         self._last_closure: Closure | None = None
+        self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._build_parameters()
 
     # ------------------------------------------------------------------ parameters
@@ -164,6 +167,10 @@ class ZOOptimizer(torch.optim.Optimizer):
         loss = sum(r.loss for r in records) / len(records) if records else None
         if records:
             self._apply_records(records)
+        if self._update_hooks:
+            seeds = [self.perturbation_seed(self.zo_step, k) for k in range(self._num_estimates)]
+            for hook in list(self._update_hooks.values()):
+                hook(self, self.zo_step, seeds, records)
         self._num_estimates = 0
         self.zo_step += 1
         return loss
@@ -171,6 +178,23 @@ class ZOOptimizer(torch.optim.Optimizer):
     def _apply_records(self, records: list[ZORecord]) -> None:
         """Turn this step's records into a parameter update. Subclasses implement the method."""
         raise NotImplementedError(f"{type(self).__name__} must implement _apply_records.")
+
+    def register_update_hook(
+        self, hook: Callable[[ZOOptimizer, int, list[int], list[ZORecord]], None]
+    ) -> RemovableHandle:
+        """Register ``hook(optimizer, step, seeds, records)``, called by :meth:`step` right after each update.
+
+        `step` is the optimizer step just applied, `seeds` the seeds of all its local estimates in order (those
+        skipped for a non-finite loss included: they moved the parameters too) and `records` the records the update
+        used; `param_groups` still hold the lr and weight decay it used. :class:`hf_zo.ZOTrajectory` records runs
+        this way.
+
+        Returns:
+            `torch.utils.hooks.RemovableHandle`: call its `remove()` to unregister the hook.
+        """
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
 
     def flush(self) -> None:
         """Apply any pending (fused, deferred) move so the parameters hold their true values."""
