@@ -143,5 +143,5 @@ def _as_float(loss: torch.Tensor | float) -> float:
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")
-        return float(loss.detach().float().item())
+        return float(loss.detach().item())
     return float(loss)

@@ -79,15 +79,15 @@ def tiny_bert_classifier(num_labels: int = 2, seed: int = 0) -> torch.nn.Module:
 
 
 def lm_dataset(num_examples: int = 16, length: int = 16, seed: int = 0):
-    """Token sequences with a learnable pattern (arithmetic progressions), as a `datasets.Dataset`."""
+    """Token sequences over a 12-token sub-vocabulary with a learnable pattern (arithmetic progressions)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(num_examples):
-        start = int(torch.randint(2, VOCAB, (1,), generator=generator))
+        start = int(torch.randint(0, 12, (1,), generator=generator))
         step = int(torch.randint(1, 4, (1,), generator=generator))
-        ids = [2 + (start + step * i) % (VOCAB - 2) for i in range(length)]
+        ids = [2 + (start + step * i) % 12 for i in range(length)]
         rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
     return Dataset.from_list(rows)
 

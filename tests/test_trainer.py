@@ -1,0 +1,138 @@
+"""ZOTrainer end to end: training, logging, exact resume, model cards."""
+
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_zo import ZOConfig, ZOTrainer
+
+from tiny_models import lm_dataset, tiny_causal_lm
+
+
+def _args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        zo_eps=1e-3,
+        max_steps=10,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    values.update(overrides)
+    return ZOConfig(**values)
+
+
+def _lora(model):
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1", "fc2"]))
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_training_loss_decreases(tmp_path, use_lora):
+    model = tiny_causal_lm("opt")
+    if use_lora:
+        model = _lora(model)
+    data = lm_dataset(16)
+    hyper = dict(learning_rate=0.1, zo_eps=1e-2) if use_lora else dict(learning_rate=3e-3)
+    args = _args(tmp_path, max_steps=300, logging_steps=50, **hyper)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=data)
+    before = trainer.evaluate(data)["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate(data)["eval_loss"]
+    assert after < before - (0.1 if use_lora else 0.5), (before, after)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("projected_grad" in h and "learning_rate" in h and "zo_skipped" in h for h in logs)
+
+
+@pytest.mark.parametrize("optimizer", ["zo_sgd", "zo_adam"])
+def test_resume_from_checkpoint_is_bitwise(tmp_path, optimizer):
+    data, eval_data = lm_dataset(24, seed=1), lm_dataset(4, seed=2)
+    common = dict(
+        max_steps=8,
+        save_strategy="steps",
+        save_steps=4,
+        eval_strategy="steps",
+        eval_steps=3,
+        gradient_accumulation_steps=2,
+        zo_num_perturbations=2,
+        zo_optimizer=optimizer,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+    )
+    first = ZOTrainer(
+        model=tiny_causal_lm("opt"), args=_args(tmp_path / "a", **common), train_dataset=data, eval_dataset=eval_data
+    )
+    first.train()
+    uninterrupted = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    resumed_dir = tmp_path / "b" / "out"
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-4", resumed_dir / "checkpoint-4")
+    second = ZOTrainer(
+        model=tiny_causal_lm("opt", seed=5),
+        args=_args(tmp_path / "b", **common),
+        train_dataset=data,
+        eval_dataset=eval_data,
+    )
+    second.train(resume_from_checkpoint=str(resumed_dir / "checkpoint-4"))
+    for name, value in second.model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
+    state = torch.load(resumed_dir / "checkpoint-8" / "optimizer.pt", weights_only=True)
+    assert state["zo"]["step"] == 8 and state["zo"]["optimizer"] == first.zo_optimizer.__class__.__name__
+
+
+def test_gradient_accumulation_adds_perturbations(tmp_path):
+    args = _args(tmp_path, max_steps=2, gradient_accumulation_steps=3, zo_num_perturbations=2)
+    trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(24))
+    seen = []
+    original = trainer.create_optimizer
+
+    def create_and_watch(model=None):
+        optimizer = original(model)
+        apply = optimizer._apply_records
+        optimizer._apply_records = lambda records: (seen.append(len(records)), apply(records))
+        return optimizer
+
+    trainer.create_optimizer = create_and_watch
+    trainer.train()
+    assert seen == [6, 6]
+
+
+def test_only_trainable_parameters_change_and_lr_zero_is_identity(tmp_path):
+    model = tiny_causal_lm("opt")
+    model.model.decoder.embed_tokens.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ZOTrainer(model=model, args=_args(tmp_path, max_steps=5), train_dataset=lm_dataset(8))
+    trainer.train()
+    after = model.state_dict()
+    assert torch.equal(before["model.decoder.embed_tokens.weight"], after["model.decoder.embed_tokens.weight"])
+    assert not torch.equal(before["model.decoder.layers.0.fc1.weight"], after["model.decoder.layers.0.fc1.weight"])
+
+    model = tiny_causal_lm("opt")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ZOTrainer(model=model, args=_args(tmp_path, max_steps=5, learning_rate=0.0), train_dataset=lm_dataset(8)).train()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=1e-6, atol=1e-6)
+
+
+def test_model_card_and_tags(tmp_path):
+    trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=_args(tmp_path, max_steps=1), train_dataset=lm_dataset(4))
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-zo")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "zeroth-order" in card and "hf-zo" in card
+
+
+def test_plain_training_arguments_are_converted(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, learning_rate=0.01)
+    trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
+    assert isinstance(trainer.args, ZOConfig) and trainer.args.learning_rate == 0.01
+    assert trainer.args.zo_eps == 1e-3
