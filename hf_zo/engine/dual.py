@@ -1,0 +1,335 @@
+"""The dual engine: both perturbed forwards of a ZO estimate in one pass over the blocks (ZO2's schedule).
+
+For a seed ``s`` the sequential engine perturbs every trainable tensor to ``theta + eps z``, runs the loss closure,
+moves every tensor to ``theta - eps z`` and runs it again: each tensor is swept twice and, under offload, every block
+would cross the bus twice. The dual engine runs the two forwards together (the two halves of a doubled batch, each
+half a full forward of the unchanged closure) in lockstep, block by block (see :mod:`hf_zo.engine.lockstep`): when
+both passes reach block ``i``, the block's pending update and ``+eps z`` are applied in one sweep, the ``+`` pass runs
+the block, ``-2 eps z`` is applied, the ``-`` pass runs it, and ``+eps z`` (the restore) is left pending. With an
+offloader the block is fetched once, used by both passes, written back and released.
+
+Trainable tensors outside the blocks (embeddings, final norm, head, PEFT prompt encoders) are moved the same way,
+on demand, by forward pre-hooks on the modules that own them; a tensor used by several modules (tied embedding and
+LM head) keeps a copy of its ``+eps`` state so the ``+`` pass can come back to it exactly.
+
+Every tensor therefore goes through exactly the sweeps of the sequential engine, in the same order, and every
+forward runs the same kernels on the same shapes: in fp32 the losses, projected gradients and weights are bitwise
+those of the sequential engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from ..estimator import LazyParameters, ZORecord, make_record
+from ..noise import NoiseUpdate
+from .blocks import find_blocks
+from .lockstep import Arrival, LockstepPass, current_pass
+
+logger = logging.get_logger(__name__)
+
+
+class _Unit:
+    """Tensors moved together (a block, or one trainable tensor outside the blocks) and their perturbation state.
+
+    `sign` is 0 while the tensors hold their unperturbed values with the update still pending, +1 at
+    ``theta + eps z`` and -1 at ``theta - eps z``.
+    """
+
+    def __init__(self, positions: list[int], block: int | None = None, reentrant: bool = False):
+        self.positions = positions
+        self.block = block
+        self.reentrant = reentrant
+        self.sign = 0
+        self.visited = False
+        self.plus_copy: list[torch.Tensor] | None = None
+        self.base_copy: list[torch.Tensor] | None = None
+
+
+class DualEngine:
+    """Runs the two forwards of each ZO estimate together, block by block, optionally with offloaded blocks.
+
+    Attach it to an optimizer with ``optimizer.attach_engine(engine)``; it then replaces the sequential estimate
+    (`hf_zo.estimator.SPSAEstimator`) and the flush of pending updates. Works with any optimizer when the blocks
+    are resident; with an offloader only the lazily-updating `ZOSGD` is supported (its updates wait in the pending
+    moves until each block arrives).
+
+    Args:
+        model (`nn.Module`): the model whose loss the closures compute.
+        blocks (`list[nn.Module]`, *optional*): its repeated blocks; found with `find_blocks` by default.
+        offloader (`hf_zo.offload.BlockOffloader`, *optional*): streams offloaded blocks (its blocks are used).
+        exact_restore (`bool`, defaults to `False`):
+            Keep a copy of each block (and of the tensors outside the blocks) between the pending update and the
+            perturbation, and restore from it after the ``-`` pass instead of leaving ``+eps z`` pending: exact
+            restore in bf16/fp16 for the memory of one block, at the cost of bitwise agreement with the
+            sequential engine's fp32 sweep order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module] | None = None,
+        offloader=None,
+        exact_restore: bool = False,
+    ):
+        self.model = model
+        self.offloader = offloader
+        self.blocks = list(offloader.blocks if offloader is not None else (blocks or find_blocks(model)))
+        self.exact_restore = exact_restore
+        self._params: LazyParameters | None = None
+        self._block_units: list[_Unit] = []
+        self._rest_units: list[_Unit] = []
+        self._write_back: list[list[int]] = []
+        self._rest_hooks: list = []
+        self._seed = 0
+        self._eps = 0.0
+        self._active = False
+        self._warned_inexact = False
+        self._block_hooks = [
+            block.register_forward_pre_hook(self._block_pre_hook(b)) for b, block in enumerate(self.blocks)
+        ]
+
+    # ------------------------------------------------------------------ binding to the optimizer's tensors
+
+    def bind(self, params: LazyParameters) -> None:
+        """Map the optimizer's tensors to blocks and to the modules outside the blocks that use them."""
+        if params is self._params:
+            return
+        if self.offloader is not None and params.has_pending():
+            raise RuntimeError("Cannot bind offloaded blocks while an update is pending; flush() first.")
+        position_of = {id(tensor): k for k, (_, tensor) in enumerate(params.tensors)}
+        in_blocks = set()
+        self._block_units, self._write_back = [], []
+        for b, block in enumerate(self.blocks):
+            block_params = self.offloader.params[b] if self.offloader is not None else list(block.parameters())
+            found = [(k, position_of[id(p)]) for k, p in enumerate(block_params) if id(p) in position_of]
+            self._block_units.append(_Unit([pos for _, pos in found], block=b))
+            self._write_back.append([k for k, _ in found])
+            in_blocks.update(pos for _, pos in found)
+        inside = {id(m) for block in self.blocks for m in block.modules()}
+        users: dict[int, list[nn.Module]] = {}
+        for module in self.model.modules():
+            if id(module) in inside:
+                continue
+            for param in module.parameters(recurse=False):
+                position = position_of.get(id(param))
+                if position is not None and position not in in_blocks:
+                    users.setdefault(position, []).append(module)
+        rest = [k for k in range(len(params.tensors)) if k not in in_blocks]
+        unit_of = {k: _Unit([k], reentrant=len(users.get(k, ())) > 1) for k in rest}
+        self._rest_units = list(unit_of.values())
+        for hook in self._rest_hooks:
+            hook.remove()
+        modules: dict[int, tuple[nn.Module, list[_Unit]]] = {}
+        for position, owners in users.items():
+            for module in owners:
+                modules.setdefault(id(module), (module, []))[1].append(unit_of[position])
+        self._rest_hooks = [m.register_forward_pre_hook(self._rest_pre_hook(units)) for m, units in modules.values()]
+        self._params = params
+
+    # ------------------------------------------------------------------ hooks
+
+    def _block_pre_hook(self, b: int):
+        def hook(module, args):
+            active = current_pass()
+            if self._active and active is not None:
+                active.checkpoint(b)
+
+        return hook
+
+    def _rest_pre_hook(self, units: list[_Unit]):
+        def hook(module, args):
+            active = current_pass()
+            if self._active and active is not None:
+                for unit in units:
+                    self._move(unit, active.sign)
+
+        return hook
+
+    # ------------------------------------------------------------------ estimate
+
+    @torch.no_grad()
+    def estimate(self, params: LazyParameters, eps: float, closure: Callable[[], Any], seed: int) -> ZORecord | None:
+        """One two-point estimate of `closure` at ``theta +- eps z(seed)``, both forwards in one pass over the blocks.
+
+        Same contract as `SPSAEstimator.estimate`: returns the record (or `None` with a warning for a non-finite
+        loss) and leaves every tensor restored, with the restore pending.
+        """
+        self.bind(params)
+        self._seed, self._eps = seed, eps
+        for unit in self._block_units + self._rest_units:
+            unit.visited = False
+        plus, minus = LockstepPass(+1, closure), LockstepPass(-1, closure)
+        started: list[LockstepPass] = []
+        self._active = True
+        if self.offloader is not None:
+            self.offloader.managed = True
+            self.offloader.prefetch_from(0)
+        try:
+            started.append(plus)
+            at_plus = _checked(plus.start())
+            started.append(minus)
+            at_minus = _checked(minus.start())
+            while at_plus.block is not None or at_minus.block is not None:
+                if at_plus.block != at_minus.block:
+                    raise RuntimeError(
+                        f"The two forward passes of the dual engine reached different blocks ({at_plus.block} and "
+                        f"{at_minus.block}): the model's forward must run the same blocks in the same order for "
+                        "both. Use zo_engine='sequential' for this model."
+                    )
+                unit = self._block_units[at_plus.block]
+                if unit.visited:
+                    raise RuntimeError(
+                        f"Block {unit.block} ran twice in one forward (layers shared across depth?); the dual "
+                        "engine needs each block to run once per forward. Use zo_engine='sequential'."
+                    )
+                unit.visited = True
+                self._move(unit, +1)
+                at_plus = _checked(plus.resume())
+                self._move(unit, -1)
+                at_minus = _checked(minus.resume())
+                self._finish(unit)
+        except BaseException:
+            for started_pass in started:
+                started_pass.abort()
+            for unit in self._block_units + self._rest_units:
+                self._abort(unit)
+            raise
+        finally:
+            self._active = False
+            if self.offloader is not None:
+                self.offloader.managed = False
+        for unit in self._block_units + self._rest_units:
+            if unit.sign != 0 or not unit.visited:
+                self._finish(unit)
+        return make_record(seed, _loss_value(at_plus.result), _loss_value(at_minus.result), eps)
+
+    # ------------------------------------------------------------------ moves of one unit
+
+    def _apply(self, unit: _Unit, updates: list[NoiseUpdate]) -> None:
+        params = self._params
+        params.noise.apply_([params.tensors[k] for k in unit.positions], updates)
+
+    def _tensors(self, unit: _Unit) -> list[torch.Tensor]:
+        return [self._params.tensors[k][1] for k in unit.positions]
+
+    def _move(self, unit: _Unit, sign: int) -> None:
+        """Bring `unit` to ``theta + sign * eps z``, with exactly the sweeps the sequential engine makes."""
+        if unit.sign == sign:
+            return
+        seed, eps, pending = self._seed, self._eps, self._params.pending
+        if unit.sign == 0:
+            if unit.block is not None and self.offloader is not None:
+                self.offloader.acquire(unit.block)
+            updates = [pending[k] for k in unit.positions]
+            for k in unit.positions:
+                pending[k] = NoiseUpdate()
+            if self.exact_restore:
+                self._apply(unit, updates)
+                unit.base_copy = [t.detach().clone() for t in self._tensors(unit)]
+                updates = [NoiseUpdate() for _ in unit.positions]
+            for update in updates:
+                update.add(seed, eps)
+            self._apply(unit, updates)
+            unit.sign = +1
+            if sign == +1:
+                return
+        if unit.sign == +1:
+            if unit.reentrant:
+                unit.plus_copy = [t.detach().clone() for t in self._tensors(unit)]
+            self._apply(unit, [NoiseUpdate(terms={seed: -2.0 * eps}) for _ in unit.positions])
+            unit.sign = -1
+            return
+        if unit.plus_copy is not None:
+            for tensor, saved in zip(self._tensors(unit), unit.plus_copy):
+                tensor.data.copy_(saved)
+        else:
+            if not self._warned_inexact:
+                logger.warning(
+                    "A trainable tensor outside the blocks was used again by the + pass after the - pass; it is moved "
+                    "back by +2 eps z, which is exact only up to rounding."
+                )
+                self._warned_inexact = True
+            self._apply(unit, [NoiseUpdate(terms={seed: 2.0 * eps}) for _ in unit.positions])
+        unit.sign = +1
+
+    def _finish(self, unit: _Unit) -> None:
+        """After both passes: restore (pending ``+eps z``, or from the exact copy) and return the block to storage."""
+        self._move(unit, -1)
+        if unit.base_copy is not None:
+            for tensor, saved in zip(self._tensors(unit), unit.base_copy):
+                tensor.data.copy_(saved)
+        else:
+            for k in unit.positions:
+                self._params.pending[k].add(self._seed, self._eps)
+        self._release(unit)
+
+    def _abort(self, unit: _Unit) -> None:
+        """After a failure: leave `unit` at its unperturbed values (pending), whatever state it was in."""
+        if unit.sign != 0:
+            if unit.base_copy is not None:
+                for tensor, saved in zip(self._tensors(unit), unit.base_copy):
+                    tensor.data.copy_(saved)
+            else:
+                for k in unit.positions:
+                    self._params.pending[k].add(self._seed, -unit.sign * self._eps)
+        self._release(unit)
+
+    def _release(self, unit: _Unit) -> None:
+        unit.sign = 0
+        unit.plus_copy = unit.base_copy = None
+        if unit.block is not None and self.offloader is not None:
+            self.offloader.release(unit.block, self._write_back[unit.block])
+
+    # ------------------------------------------------------------------ flush
+
+    @torch.no_grad()
+    def flush(self, params: LazyParameters) -> None:
+        """Apply every pending update; offloaded blocks are fetched, updated and written back to storage."""
+        if self.offloader is None:
+            params.flush()
+            return
+        self.bind(params)
+        pending = params.pending
+        for unit in self._rest_units:
+            self._apply_pending(params, unit.positions)
+        todo = [u for u in self._block_units if any(not pending[k].is_identity() for k in u.positions)]
+        if todo:
+            self.offloader.prefetch_from(todo[0].block)
+        for unit in todo:
+            self.offloader.acquire(unit.block)
+            self._apply_pending(params, unit.positions)
+            self.offloader.release(unit.block, self._write_back[unit.block])
+        self.offloader.synchronize()
+
+    @staticmethod
+    def _apply_pending(params: LazyParameters, positions: list[int]) -> None:
+        updates = [params.pending[k] for k in positions]
+        for k in positions:
+            params.pending[k] = NoiseUpdate()
+        params.noise.apply_([params.tensors[k] for k in positions], updates)
+
+    def close(self) -> None:
+        """Remove the engine's hooks from the model."""
+        for hook in self._block_hooks + self._rest_hooks:
+            hook.remove()
+        self._block_hooks, self._rest_hooks = [], []
+
+
+def _checked(arrival: Arrival) -> Arrival:
+    if arrival.error is not None:
+        raise arrival.error
+    return arrival
+
+
+def _loss_value(loss: Any) -> float:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")
+        return float(loss.detach().float().item())
+    return float(loss)

@@ -1,0 +1,97 @@
+"""Two forward passes run in lockstep, one block at a time.
+
+The dual engine needs both perturbed forwards to go through block ``i`` while that block is resident and perturbed
+for them, and it must not re-implement any model's forward. Each pass therefore runs the unchanged loss closure in
+its own thread; a forward pre-hook on every block stops the pass at the block's entrance (a *checkpoint*) and hands
+control back to a coordinator, which prepares the block for the next pass and resumes it. Exactly one thread runs
+at any time, so the passes see the same shapes and kernels as the sequential engine (bitwise-equal fp32 losses) and
+no state is touched concurrently.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_current = threading.local()
+
+
+class PassAborted(RuntimeError):
+    """Raised inside a pass thread to unwind it when the other pass failed."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """Where a pass stopped: at the entrance of block `block`, or at its end (`block is None`) with `result`."""
+
+    block: int | None
+    result: Any = None
+    error: BaseException | None = None
+
+
+class LockstepPass:
+    """One forward pass (`sign` +1 or -1) of `closure`, run in a thread that stops at every checkpoint.
+
+    Args:
+        sign (`int`): +1 for the pass at ``theta + eps z``, -1 for ``theta - eps z``.
+        closure (`Callable[[], Any]`): the loss closure; its result is returned in the final `Arrival`.
+    """
+
+    def __init__(self, sign: int, closure: Callable[[], Any]):
+        self.sign = sign
+        self._closure = closure
+        self._arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
+        self._resume = threading.Semaphore(0)
+        self._abort = False
+        self._context = contextvars.copy_context()
+        self._grad_enabled = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
+        self._thread = threading.Thread(target=self._run, name=f"hf_zo_pass{sign:+d}", daemon=True)
+
+    def start(self) -> Arrival:
+        """Start the pass and return where it first stops."""
+        self._thread.start()
+        return self._arrivals.get()
+
+    def resume(self) -> Arrival:
+        """Let the pass run to its next checkpoint (or its end) and return where it stopped."""
+        self._resume.release()
+        return self._arrivals.get()
+
+    def abort(self) -> None:
+        """Unwind a pass that is stopped at a checkpoint, and wait for its thread to end."""
+        if self._thread.is_alive():
+            self._abort = True
+            self._resume.release()
+            self._arrivals.get()
+        self._thread.join()
+
+    def checkpoint(self, block: int) -> None:
+        """Called by the pass's own thread at the entrance of `block`: stop until resumed."""
+        self._arrivals.put(Arrival(block))
+        self._resume.acquire()
+        if self._abort:
+            raise PassAborted("The other forward pass of the dual engine failed.")
+
+    def _run(self) -> None:
+        _current.active = self
+        try:
+            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad_enabled):
+                result = self._context.run(self._closure)
+            arrival = Arrival(None, result=result)
+        except BaseException as error:  # handed to the coordinator, which re-raises it in the caller's thread
+            arrival = Arrival(None, error=error)
+        finally:
+            _current.active = None
+        self._arrivals.put(arrival)
+
+
+def current_pass() -> LockstepPass | None:
+    """The pass the calling thread runs, or `None` outside the dual engine's passes."""
+    return getattr(_current, "active", None)

@@ -1,0 +1,190 @@
+"""The offload schedule over blocks, shared by every transport.
+
+`BlockOffloader` keeps the parameters of each block in a storage tier and brings a block to the working device
+only while it computes: ``acquire(i)`` waits for block ``i`` (and starts prefetching the next ones), ``release(i)``
+writes back the tensors that changed and returns the block to storage. The dual engine drives ``acquire`` and
+``release`` itself during a ZO estimate (each block is visited once by both perturbed passes); any other forward
+(evaluation, prediction, generation) goes through forward hooks that do the same without write-back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .storage import BlockStorage, build_storage
+from .transport import CudaTransport, ThreadTransport
+
+logger = logging.get_logger(__name__)
+
+
+class BlockOffloader:
+    """Blocks streamed between a storage tier and the working device, with prefetch and write-back.
+
+    Construction moves every parameter of `blocks` into `storage` and points the parameters at their at-rest views
+    (freeing the original memory); the blocks then ignore `.to()`/`.half()` for their parameters, whose placement
+    the offloader owns. Everything else in the model stays where it is (the resident modules).
+
+    Args:
+        blocks (`Sequence[nn.Module]`): the blocks, in execution order (see `hf_zo.engine.find_blocks`).
+        storage (`BlockStorage`): the storage tier.
+        device (`torch.device` or `str`, *optional*): the working device; defaults to CUDA when available.
+        prefetch (`int`, defaults to 1): blocks loaded ahead of the one computing (0: load on demand).
+        offload_dtype (`torch.dtype`, *optional*):
+            Storage and transfer dtype of the *frozen* floating-point tensors (e.g. PEFT base weights), upcast to the
+            parameter's dtype on arrival. Trainable tensors always keep their own dtype (full-precision masters),
+            so updates are exact.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        storage: BlockStorage,
+        device: torch.device | str | None = None,
+        prefetch: int = 1,
+        offload_dtype: torch.dtype | None = None,
+    ):
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}.")
+        self.blocks = list(blocks)
+        self.storage = storage
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.prefetch = prefetch
+        self.transport = CudaTransport(self.device) if self.device.type == "cuda" else ThreadTransport()
+        self.params: list[list[nn.Parameter]] = []
+        self.views: list[list[torch.Tensor]] = []
+        self._dtypes: list[list[torch.dtype]] = []
+        self._in_flight: dict[int, object] = {}
+        self._resident: dict[int, list[torch.Tensor]] = {}
+        self.managed = False
+        for b, block in enumerate(self.blocks):
+            self._offload_block(b, block, offload_dtype)
+        _return_freed_memory()
+        self._hooks = [h for b, block in enumerate(self.blocks) for h in self._hook_block(b, block)]
+
+    # ------------------------------------------------------------------ set-up
+
+    def _offload_block(self, b: int, block: nn.Module, offload_dtype: torch.dtype | None) -> None:
+        named = list(block.named_parameters())
+        store_dtypes = [
+            offload_dtype if offload_dtype is not None and not p.requires_grad and p.is_floating_point() else p.dtype
+            for _, p in named
+        ]
+        with torch.no_grad():
+            views = self.storage.store_block(b, [(n, p.detach().to(d)) for (n, p), d in zip(named, store_dtypes)])
+        params = [p for _, p in named]
+        for param, view in zip(params, views):
+            param.data = view
+        self.params.append(params)
+        self.views.append(views)
+        self._dtypes.append([p.dtype for p in params])
+        for buffer_owner in block.modules():
+            for name, buffer in buffer_owner.named_buffers(recurse=False):
+                if buffer is not None:
+                    buffer_owner._buffers[name] = buffer.to(self.device)
+        block._apply = _buffers_only_apply(block)
+
+    def _hook_block(self, b: int, block: nn.Module) -> list:
+        def pre_hook(module, args):
+            if not self.managed:
+                self.acquire(b)
+
+        def post_hook(module, args, output):
+            if not self.managed:
+                self.release(b, write_back=())
+
+        return [block.register_forward_pre_hook(pre_hook), block.register_forward_hook(post_hook)]
+
+    # ------------------------------------------------------------------ schedule
+
+    def prefetch_from(self, b: int) -> None:
+        """Start loading blocks ``b .. b + prefetch - 1`` that are neither resident nor in flight."""
+        for nxt in range(b, min(b + self.prefetch, len(self.blocks))):
+            if nxt not in self._in_flight and nxt not in self._resident:
+                self._in_flight[nxt] = self.transport.load(self.views[nxt], self._dtypes[nxt])
+
+    def acquire(self, b: int) -> None:
+        """Make block `b` resident on the working device (waiting for its load) and prefetch the next blocks."""
+        if b in self._resident:
+            return
+        handle = self._in_flight.pop(b, None)
+        if handle is None:
+            handle = self.transport.load(self.views[b], self._dtypes[b])
+        self.prefetch_from(b + 1)
+        working = self.transport.wait(handle)
+        for param, tensor in zip(self.params[b], working):
+            param.data = tensor
+        self._resident[b] = working
+
+    def release(self, b: int, write_back: Sequence[int]) -> None:
+        """Write back the tensors at positions `write_back` of block `b` and return the block to storage."""
+        working = self._resident.pop(b, None)
+        if working is None:
+            return
+        if write_back:
+            self.transport.store([(self.views[b][k], working[k]) for k in write_back])
+        for param, view in zip(self.params[b], self.views[b]):
+            param.data = view
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy, dropping prefetched blocks, so the at-rest views hold the true values."""
+        for b in list(self._resident):
+            self.release(b, write_back=())
+        for handle in self._in_flight.values():
+            self.transport.wait(handle)
+        self._in_flight.clear()
+        self.transport.synchronize()
+
+    def trainable_positions(self, b: int) -> list[int]:
+        """Positions (in the block's parameter list) of the tensors that training changes."""
+        return [k for k, p in enumerate(self.params[b]) if p.requires_grad]
+
+    def close(self) -> None:
+        """Remove the hooks and release the storage; the model's offloaded parameters are unusable afterwards."""
+        self.synchronize()
+        for hook in self._hooks:
+            hook.remove()
+        self.transport.close()
+        self.storage.close()
+
+
+def offload_blocks(
+    blocks: Sequence[nn.Module],
+    tier: str,
+    directory: str | None = None,
+    device: torch.device | str | None = None,
+    prefetch: int = 1,
+    offload_dtype: torch.dtype | str | None = None,
+) -> BlockOffloader:
+    """Offload `blocks` to storage tier `tier` (`"cpu"` or `"disk"`); see `BlockOffloader` for the arguments."""
+    if isinstance(offload_dtype, str):
+        offload_dtype = getattr(torch, offload_dtype)
+    return BlockOffloader(blocks, build_storage(tier, directory), device, prefetch, offload_dtype)
+
+
+def _buffers_only_apply(block: nn.Module):
+    """An `_apply` for `block` that converts its buffers but leaves its (offloaded) parameters alone."""
+
+    def _apply(fn, recurse=True):
+        for module in block.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None:
+                    module._buffers[name] = fn(buffer)
+        return block
+
+    return _apply
+
+
+def _return_freed_memory() -> None:
+    """Hand the blocks' freed host memory back to the OS (glibc keeps small freed chunks otherwise)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        logger.debug("malloc_trim is unavailable; freed block memory stays with the allocator.")

@@ -1,0 +1,136 @@
+"""Storage tiers: where the offloaded tensors of each block live between their visits to the working device.
+
+- `CPUStorage`: host memory, page-locked (pinned) when CUDA is available so that uploads are asynchronous.
+- `DiskStorage`: one safetensors file per block, memory-mapped shared and writable, so the at-rest tensors are
+  file-backed pages (not anonymous memory) and write-back updates the file in place. Each file stays a valid
+  safetensors file that `safetensors.safe_open` can read.
+
+A storage returns, for each block, one *at-rest view* per tensor; the tensor's module parameter points at that view
+whenever the block is not on the working device, so `state_dict()`, `load_state_dict()` and saving work unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Sequence
+
+import torch
+from safetensors.torch import save_file
+
+OFFLOAD_TIERS = ("cpu", "disk")
+
+
+class BlockStorage:
+    """Base class of the storage tiers.
+
+    Subclasses implement :meth:`store_block`, which receives the block's named tensors (already in their storage
+    dtype) and returns their at-rest views, in the same order.
+    """
+
+    def store_block(self, block: int, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Keep the tensors of block `block` and return their at-rest views."""
+        raise NotImplementedError(f"{type(self).__name__} must implement store_block.")
+
+    def close(self) -> None:
+        """Release what the storage owns (files it created); the at-rest views must not be used afterwards."""
+
+
+class CPUStorage(BlockStorage):
+    """Blocks kept in host memory, pinned when `pin_memory` (asynchronous host-to-device copies).
+
+    Args:
+        pin_memory (`bool`, *optional*): pin the copies; defaults to `torch.cuda.is_available()`.
+    """
+
+    def __init__(self, pin_memory: bool | None = None):
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+
+    def store_block(self, block, named_tensors):
+        views = []
+        for _, tensor in named_tensors:
+            view = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
+            views.append(view.copy_(tensor))
+        return views
+
+
+class DiskStorage(BlockStorage):
+    """Blocks kept in safetensors files (`block_00000.safetensors`, ...) mapped into memory, shared and writable.
+
+    Args:
+        directory (`str`, *optional*):
+            Where the files go; created if missing. Defaults to a new temporary directory that :meth:`close`
+            removes. A directory given by the user is left in place (its block files are removed by `close`).
+    """
+
+    def __init__(self, directory: str | None = None):
+        self._owns_directory = directory is None
+        self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
+        os.makedirs(self.directory, exist_ok=True)
+        self.paths: list[str] = []
+
+    def store_block(self, block, named_tensors):
+        path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
+        names = [name for name, _ in named_tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Tensor names of block {block} must be unique, got {names}.")
+        save_file({name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, path)
+        self.paths.append(path)
+        return _map_safetensors(path, names)
+
+    def close(self) -> None:
+        for path in self.paths:
+            if os.path.exists(path):
+                os.remove(path)
+        self.paths = []
+        if self._owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _map_safetensors(path: str, names: Sequence[str]) -> list[torch.Tensor]:
+    """Writable views of the tensors `names` of the safetensors file `path`, backed by a shared memory map."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_size))
+    mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    base = 8 + header_size
+    views = []
+    for name in names:
+        entry = header[name]
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        start, stop = entry["data_offsets"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (base + start) % itemsize:
+            raise RuntimeError(
+                f"Tensor {name!r} of {path} is not aligned to its {itemsize}-byte elements and cannot be mapped; "
+                "this safetensors version orders tensors differently. Use zo_offload='cpu' instead."
+            )
+        views.append(mapped[base + start : base + stop].view(dtype).view(entry["shape"]))
+    return views
+
+
+def build_storage(tier: str, directory: str | None = None) -> BlockStorage:
+    """The storage for `tier` (`"cpu"` or `"disk"`); `directory` is used by the disk tier only."""
+    if tier == "cpu":
+        return CPUStorage()
+    if tier == "disk":
+        return DiskStorage(directory)
+    raise ValueError(f"Unknown offload tier {tier!r}; choose one of {OFFLOAD_TIERS}.")

@@ -1,0 +1,104 @@
+"""Transports: how a block's tensors move between their storage tier and the working device, asynchronously.
+
+Both transports keep the operations of one queue in order (a write-back issued before a load of the same block
+finishes before that load reads), so the schedule in :mod:`hf_zo.offload.schedule` is the same code for both.
+
+- `ThreadTransport`: the working device is the CPU; one background thread copies disk- or host-resident tensors
+  into fresh working tensors (reading the memory-mapped file happens there, overlapping with compute) and writes
+  changed tensors back.
+- `CudaTransport`: the working device is a GPU; copies run on a dedicated CUDA stream from pinned host memory, and
+  events order them against the compute stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class ThreadTransport:
+    """Moves tensors between storage and CPU working tensors on one background thread."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zo_offload")
+        self._last: Future | None = None
+
+    def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> Future:
+        """Start copying `sources` into new working tensors of `dtypes`; returns a handle for :meth:`wait`."""
+
+        def copy():
+            return [torch.empty(s.shape, dtype=d).copy_(s) for s, d in zip(sources, dtypes)]
+
+        self._last = self._pool.submit(copy)
+        return self._last
+
+    def wait(self, handle: Future) -> list[torch.Tensor]:
+        """The working tensors of a :meth:`load`, once they are ready."""
+        return handle.result()
+
+    def store(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start copying each working tensor into its storage view (``(view, working)`` pairs)."""
+
+        def copy():
+            for view, working in pairs:
+                view.copy_(working)
+
+        self._last = self._pool.submit(copy)
+
+    def synchronize(self) -> None:
+        """Wait until every queued copy is done (before storage is read or written directly)."""
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+
+    def close(self) -> None:
+        """Finish the queued copies and stop the thread."""
+        self._pool.shutdown(wait=True)
+
+
+class CudaTransport:
+    """Moves tensors between pinned host storage and a GPU on a side stream, ordered by CUDA events.
+
+    Args:
+        device (`torch.device`): the GPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self.device)
+
+    def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> tuple:
+        """Start uploading `sources` (cast to `dtypes` on the GPU); returns a handle for :meth:`wait`."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            tensors = [s.to(self.device, non_blocking=True).to(d) for s, d in zip(sources, dtypes)]
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return tensors, event
+
+    def wait(self, handle: tuple) -> list[torch.Tensor]:
+        """Make the compute stream wait for an upload and hand over its tensors."""
+        tensors, event = handle
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(compute)
+        return tensors
+
+    def store(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start downloading each working tensor into its pinned storage view, after the compute issued so far."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for view, working in pairs:
+                view.copy_(working, non_blocking=True)
+                working.record_stream(self._stream)
+
+    def synchronize(self) -> None:
+        """Wait until every queued copy is done."""
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        """Finish the queued copies."""
+        self.synchronize()
