@@ -42,12 +42,22 @@ class ZOConfig(TrainingArguments):
             Estimates with a non-finite loss are skipped (parameters restored, warning logged); after this many in a
             row training stops with an error naming the step.
 
+    Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
+
+        zo_perturbation_parallel_size (`int`, *optional*, defaults to `1`):
+            Processes per perturbation-parallel group: they see the same batch and split its `2 * zo_num_perturbations`
+            signed forwards (so it must divide that number); the launched processes form `processes / p` data-parallel
+            groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
+            the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
+
     Defaults changed from `TrainingArguments`:
 
         max_grad_norm (`float`, defaults to `0.0`):
             ZO has no gradients to clip; any value is a no-op.
         lr_scheduler_type (`str`, defaults to `"constant"`):
             MeZO trains with a constant learning rate.
+        average_tokens_across_devices (`bool`, defaults to `False`):
+            A ZO loss is the mean over its micro-batch, so the per-step all-gather of token counts is not needed.
     """
 
     zo_eps: float = field(default=1e-3, metadata={"help": "Perturbation scale eps of the two-point estimate."})
@@ -61,8 +71,14 @@ class ZOConfig(TrainingArguments):
     zo_max_consecutive_skips: int = field(
         default=10, metadata={"help": "Stop after this many consecutive non-finite losses."}
     )
+    zo_perturbation_parallel_size: int = field(
+        default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
+    )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
+    average_tokens_across_devices: bool = field(
+        default=False, metadata={"help": "ZO losses are micro-batch means: no token counts are gathered."}
+    )
 
     def __post_init__(self):
         self._validate_zo_arguments()
@@ -81,6 +97,16 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
         if not 0.0 <= self.zo_momentum < 1.0:
             raise ValueError(f"zo_momentum must be in [0, 1), got {self.zo_momentum!r}.")
+        if not isinstance(self.zo_perturbation_parallel_size, int) or self.zo_perturbation_parallel_size < 1:
+            raise ValueError(
+                f"zo_perturbation_parallel_size must be an integer >= 1, got {self.zo_perturbation_parallel_size!r}."
+            )
+        if (2 * self.zo_num_perturbations) % self.zo_perturbation_parallel_size:
+            raise ValueError(
+                f"zo_perturbation_parallel_size ({self.zo_perturbation_parallel_size}) must divide the "
+                f"2 * zo_num_perturbations = {2 * self.zo_num_perturbations} signed forwards of a micro-batch; raise "
+                "zo_num_perturbations or use a divisor."
+            )
         if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."

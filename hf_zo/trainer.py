@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from .config import ZOConfig
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
+from .parallel import DistZOPlugin
 
 logger = logging.get_logger(__name__)
 
@@ -90,6 +91,9 @@ class ZOTrainer(Trainer):
             )
         self._check_train_dataset()
         self.add_callback(ZOFlushCallback)
+        self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
+        if self.optimizer is not None:
+            self.zo_plugin.prepare_optimizer(self.zo_optimizer)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
         self._zo_log_grads: list[float] = []
@@ -153,7 +157,24 @@ class ZOTrainer(Trainer):
         groups[False]["weight_decay"] = 0.0
         param_groups = [g for g in groups.values() if g["params"]]
         self.optimizer = build_zo_optimizer(self.args, param_groups)
+        self.zo_plugin.prepare_optimizer(self.optimizer)
         return self.optimizer
+
+    # ------------------------------------------------------------------ distributed layout
+
+    def get_train_dataloader(self):
+        """`Trainer.get_train_dataloader`, sharded by data-parallel rank (`zo_plugin`): the ranks of one
+        perturbation-parallel group see the same batches."""
+        return self.zo_plugin.prepare_data_loader(super().get_train_dataloader())
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Never wrap the model for gradient synchronisation: ZO replicas exchange scalars (`zo_plugin`), and DDP
+        would allocate and all-reduce model-sized gradient buckets for nothing."""
+        model = super()._wrap_model(model, training=False, dataloader=dataloader)
+        if training and model is self.model:
+            # Mixed precision and compilation only; marks the model prepared so `accelerator.prepare` keeps it bare.
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        return model
 
     # ------------------------------------------------------------------ training step
 

@@ -79,6 +79,8 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.records: list[ZORecord] = []
         self._num_estimates = 0
         self._last_closure: Closure | None = None
+        # Set by hf_zo.parallel on a (dp, pertp) mesh: splits the estimates over ranks and gathers their records.
+        self.parallel = None
         self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._build_parameters()
 
@@ -128,6 +130,8 @@ class ZOOptimizer(torch.optim.Optimizer):
 
         Returns the records that were kept (estimates with a non-finite loss are dropped with a warning).
         """
+        if self.parallel is not None:
+            return self.parallel.estimate(self, closure)
         kept = []
         for _ in range(self.num_perturbations):
             seed = self.perturbation_seed(self.zo_step, self._num_estimates)
@@ -164,6 +168,8 @@ class ZOOptimizer(torch.optim.Optimizer):
         if closure is not None:
             self.estimate(closure)
         records, self.records = self.records, []
+        if self.parallel is not None:
+            records = self.parallel.gather_records(self, records)
         loss = sum(r.loss for r in records) / len(records) if records else None
         if records:
             self._apply_records(records)

@@ -1,0 +1,153 @@
+"""The program that `tests/test_distributed.py` launches with `torchrun` / `accelerate launch` (or plain `python`).
+
+Usage: ``python tests/distributed_worker.py SCENARIO OUT_DIR``. Each rank trains tiny models with `ZOTrainer` and
+writes ``OUT_DIR/rank{rank}.pt``: the trainable parameters after each run, the bytes its ZO collectives sent per
+optimizer step, and the checkpoint files it opened for writing. The test compares these across ranks, layouts and
+against a single-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from transformers import OPTConfig, OPTForCausalLM, TrainerCallback  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
+
+from tiny_models import lm_dataset, tiny_causal_lm  # noqa: E402
+
+STEPS = 4
+WRITES: list[str] = []
+
+
+def _record_checkpoint_writes(event: str, args: tuple) -> None:
+    """Audit hook: remember every file opened for writing inside a checkpoint directory."""
+    if event == "open" and isinstance(args[1], str) and any(m in args[1] for m in "wax"):
+        path = str(args[0])
+        if "checkpoint-" in path:
+            WRITES.append(os.path.basename(path))
+
+
+def _recording_save(save):
+    """Wrap `torch.save` (which writes from C++, out of the audit hook's sight) to record checkpoint files too."""
+
+    def wrapper(obj, f, *args, **kwargs):
+        _record_checkpoint_writes("open", (f, "wb"))
+        return save(obj, f, *args, **kwargs)
+
+    return wrapper
+
+
+def wide_opt(hidden: int) -> torch.nn.Module:
+    """A 2-layer OPT of the given width (to show that communication does not grow with the model)."""
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        ffn_dim=2 * hidden,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=hidden,
+        dropout=0.0,
+        pad_token_id=1,
+    )
+    return OPTForCausalLM(config)
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+class HangAtStep(TrainerCallback):
+    """Simulates a hung rank: stops answering after `step` steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            time.sleep(600)
+
+
+def train(
+    out: Path,
+    name: str,
+    model: torch.nn.Module,
+    accumulation: int = 1,
+    steps: int = STEPS,
+    save_steps: int | None = None,
+    resume: str | None = None,
+    callbacks=None,
+) -> dict:
+    """Train `model` for `steps` optimizer steps; return its trainable parameters and the bytes sent per step."""
+    args = ZOConfig(
+        output_dir=str(out / name),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        zo_eps=1e-2,
+        seed=7,
+        logging_steps=1000,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(64, length=8), callbacks=callbacks)
+    trainer.zo_plugin.comm_stats.reset()
+    trainer.train(resume_from_checkpoint=resume)
+    assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+    assert not any(p.grad is not None for p in model.parameters())
+    done = steps - (int(resume.rsplit("-", 1)[1]) if resume else 0)
+    stats = trainer.zo_plugin.comm_stats.as_dict()
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"params": params, "bytes_per_step": stats["bytes_sent"] / done, "calls_per_step": stats["calls"] / done}
+
+
+def main(scenario: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    rank = int(os.environ.get("RANK", "0"))
+    runs = {}
+    if scenario == "pertp2":
+        sys.addaudithook(_record_checkpoint_writes)
+        torch.save = _recording_save(torch.save)
+        runs["full"] = train(out, "full", tiny_causal_lm("opt"), save_steps=2)
+        checkpoint = str(out / "full" / "checkpoint-2")
+        runs["resumed"] = train(out, "resumed", tiny_causal_lm("opt"), resume=checkpoint)
+        runs["wide"] = train(out, "wide", wide_opt(128), steps=2)
+    elif scenario in ("dp2", "2x2"):
+        runs["full"] = train(out, "full", tiny_causal_lm("opt"))
+        if scenario == "dp2":
+            runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+    elif scenario == "reference":
+        runs["full"] = train(out, "full", tiny_causal_lm("opt"))
+        runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
+        runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
+    elif scenario == "hang":
+        train(out, "hang", tiny_causal_lm("opt"), callbacks=[HangAtStep(1)] if rank == 1 else None)
+    else:
+        raise ValueError(f"Unknown scenario {scenario!r}.")
+    with open(out / f"rank{rank}.pt", "wb") as f:
+        torch.save({"runs": runs, "writes": WRITES}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
