@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .heads import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES
 from .noise import NOISE_DISTRIBUTIONS
 from .optim import ZO_OPTIMIZERS
 
@@ -50,6 +51,25 @@ class ZOConfig(TrainingArguments):
             groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
             the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
 
+    Parameters that control the classification head (a new head is where ZO struggles most):
+
+        zo_head_init (`str`, *optional*, defaults to `"auto"`):
+            `"linear_probe"` fits the head on frozen features before ZO starts (a logistic regression written into
+            the head's last `nn.Linear`, MeZO's LP-then-MeZO); `"none"` keeps it as loaded; `"auto"` is
+            `"linear_probe"` for a `*ForSequenceClassification` model and `"none"` otherwise.
+        zo_head_training (`str`, *optional*, defaults to `"auto"`):
+            `"first_order"` trains the head with exact gradients (AdamW on the head only, inside the ZO forwards)
+            while the body stays zeroth-order; `"zeroth_order"` leaves the head in the ZO parameter set; `"auto"` is
+            `"first_order"` for a `*ForSequenceClassification` model and `"zeroth_order"` otherwise.
+        zo_head_modules (`list[str]`, *optional*):
+            Names of the head modules (matched against the end of module names, e.g. `classifier`). Default: the
+            last trainable `nn.Linear` with `out_features == num_labels`. With PEFT, put the head in
+            `modules_to_save`.
+        zo_head_learning_rate (`float`, *optional*, defaults to `1e-3`):
+            AdamW learning rate of the first-order head (constant).
+        zo_head_init_max_samples (`int`, *optional*, defaults to `4096`):
+            Training examples the linear probe is fitted on (one forward pass each).
+
     Defaults changed from `TrainingArguments`:
 
         max_grad_norm (`float`, defaults to `0.0`):
@@ -73,6 +93,17 @@ class ZOConfig(TrainingArguments):
     )
     zo_perturbation_parallel_size: int = field(
         default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
+    )
+    zo_head_init: str = field(
+        default="auto", metadata={"help": "Head initialisation before ZO.", "choices": list(HEAD_INIT_CHOICES)}
+    )
+    zo_head_training: str = field(
+        default="auto", metadata={"help": "How the head is trained.", "choices": list(HEAD_TRAINING_CHOICES)}
+    )
+    zo_head_modules: list[str] | None = field(default=None, metadata={"help": "Names of the head modules."})
+    zo_head_learning_rate: float = field(default=1e-3, metadata={"help": "AdamW lr of the first-order head."})
+    zo_head_init_max_samples: int | None = field(
+        default=4096, metadata={"help": "Training examples the linear probe is fitted on."}
     )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
@@ -107,6 +138,16 @@ class ZOConfig(TrainingArguments):
                 f"2 * zo_num_perturbations = {2 * self.zo_num_perturbations} signed forwards of a micro-batch; raise "
                 "zo_num_perturbations or use a divisor."
             )
+        if self.zo_head_init not in HEAD_INIT_CHOICES:
+            raise ValueError(f"Unknown zo_head_init {self.zo_head_init!r}; choose one of {list(HEAD_INIT_CHOICES)}.")
+        if self.zo_head_training not in HEAD_TRAINING_CHOICES:
+            raise ValueError(
+                f"Unknown zo_head_training {self.zo_head_training!r}; choose one of {list(HEAD_TRAINING_CHOICES)}."
+            )
+        if not (isinstance(self.zo_head_learning_rate, (int, float)) and self.zo_head_learning_rate > 0):
+            raise ValueError(f"zo_head_learning_rate must be > 0, got {self.zo_head_learning_rate!r}.")
+        if self.zo_head_init_max_samples is not None and self.zo_head_init_max_samples < 1:
+            raise ValueError(f"zo_head_init_max_samples must be >= 1 or None, got {self.zo_head_init_max_samples!r}.")
         if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."

@@ -17,6 +17,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from .config import ZOConfig
+from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
 
@@ -98,6 +99,7 @@ class ZOTrainer(Trainer):
             self.model.add_model_tags(self._tag_names)
         self._zo_log_grads: list[float] = []
         self._zo_log_skipped = 0
+        self.zo_heads = ZOHeads()
 
     # ------------------------------------------------------------------ checks
 
@@ -151,6 +153,8 @@ class ZOTrainer(Trainer):
         groups = {True: {"params": [], "indices": []}, False: {"params": [], "indices": []}}
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         for index, (name, param) in enumerate(trainable):
+            if name in self.zo_heads.zo_excluded:  # trained first-order; the other indices stay put
+                continue
             groups[name in decay_names]["params"].append(param)
             groups[name in decay_names]["indices"].append(index)
         groups[True]["weight_decay"] = self.args.weight_decay
@@ -187,8 +191,8 @@ class ZOTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
 
         def closure():
-            with self.compute_loss_context_manager():
-                return self.compute_loss(model, inputs)
+            with self.compute_loss_context_manager(), self.zo_heads.capture():
+                return self.zo_heads.backward(self.compute_loss(model, inputs))
 
         optimizer = self.zo_optimizer
         skipped_before = optimizer.num_skipped
@@ -216,7 +220,13 @@ class ZOTrainer(Trainer):
             optimizer.flush()
 
     def train(self, *args, **kwargs):
-        """`Trainer.train`, with the last pending update applied before returning."""
+        """`Trainer.train`, with the head options (`zo_head_*`) applied first and the last pending update applied
+        before returning."""
+        self.zo_heads.close()
+        if self.zo_heads in self.callback_handler.callbacks:
+            self.remove_callback(self.zo_heads)
+        self.zo_heads = prepare_zo_heads(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        self.add_callback(self.zo_heads)
         try:
             return super().train(*args, **kwargs)
         finally:

@@ -1,0 +1,435 @@
+# Copyright 2026 The hf_zo authors. Licensed under the Apache License, Version 2.0.
+"""Zeroth-order fine-tuning with `ZOTrainer`: causal LM, sequence classification, or MeZO-style prompt-based
+classification, on a hub dataset or local CSV/TSV/JSON files, with full fine-tuning or PEFT.
+
+Sequence classification of SST-2 from local files with LoRA (the head is linear-probed, then trained first-order)::
+
+    python examples/train.py --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --task_name sst2 \
+        --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
+        --peft lora --learning_rate 1e-4 --zo_eps 1e-2 --max_steps 1000 --output_dir minilm-sst2-zo
+
+Prompt-based classification the MeZO way (OPT scores " terrible" / " great" after "<sentence> It was")::
+
+    accelerate launch examples/train.py --model_name_or_path facebook/opt-1.3b --task_name sst2 \
+        --task_type prompt_classification --num_train 1000 --learning_rate 1e-6 --zo_eps 1e-3 \
+        --max_steps 20000 --output_dir opt-sst2-mezo --push_to_hub
+
+Causal LM on a text column::
+
+    python examples/train.py --model_name_or_path gpt2 --train_file notes.jsonl --text_column text \
+        --peft lora --learning_rate 1e-4 --zo_eps 1e-2 --max_steps 2000 --output_dir gpt2-notes-zo
+
+Every `ZOConfig` (and `TrainingArguments`) option is a flag: `python examples/train.py --help`.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from datasets import DatasetDict, load_dataset
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+)
+
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.metrics import build_compute_metrics
+
+# ---------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class Task:
+    """A ready classification task: where it lives on the Hub, its fields, and its MeZO prompt.
+
+    Attributes:
+        hub (`tuple[str, str]`): `(dataset, config)` for `datasets.load_dataset`.
+        fields (`tuple[str, ...]`): the input text fields (one sentence, or a pair).
+        label_words (`tuple[str, ...]`): the word of each label for prompt-based classification.
+        template (`str`): the prompt, formatted with the fields; the label word follows it.
+        metrics (`tuple[str, ...]`): metrics reported at evaluation.
+    """
+
+    hub: tuple[str, str]
+    fields: tuple[str, ...]
+    label_words: tuple[str, ...]
+    template: str
+    metrics: tuple[str, ...] = ("accuracy",)
+
+
+TASKS = {
+    "sst2": Task(("nyu-mll/glue", "sst2"), ("sentence",), (" terrible", " great"), "{sentence} It was"),
+    "rte": Task(
+        ("aps/super_glue", "rte"),
+        ("premise", "hypothesis"),
+        (" Yes", " No"),
+        '{premise}\nDoes this mean that "{hypothesis}" is true? Yes or No?\n',
+    ),
+    "boolq": Task(
+        ("aps/super_glue", "boolq"), ("passage", "question"), (" No", " Yes"), "{passage} {question}?", ("accuracy",)
+    ),
+    "cb": Task(
+        ("aps/super_glue", "cb"),
+        ("premise", "hypothesis"),
+        (" Yes", " No", " Maybe"),
+        '{premise}\nQuestion: "{hypothesis}" True, False or Neither?\n',
+        ("accuracy", "f1"),
+    ),
+}
+TASK_TYPES = ("auto", "causal_lm", "classification", "prompt_classification")
+
+
+@dataclass
+class ModelArguments:
+    """What is trained and how: the model, the kind of task, and the PEFT method."""
+
+    model_name_or_path: str = field(metadata={"help": "Hub id or local path of the pretrained model."})
+    task_type: str = field(
+        default="auto",
+        metadata={
+            "help": "causal_lm (a text column), classification (a sequence-classification head) or "
+            "prompt_classification (MeZO's label-word scoring with a causal LM); auto: causal_lm without "
+            "--task_name, else prompt_classification for a causal LM and classification otherwise.",
+            "choices": list(TASK_TYPES),
+        },
+    )
+    peft: str | None = field(
+        default=None,
+        metadata={"help": "PEFT method (default: full fine-tuning).", "choices": ["lora", "prefix", "prompt"]},
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (ZO forwards run in eval mode)."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "LoRA target modules (default: PEFT's choice for the architecture)."}
+    )
+    num_virtual_tokens: int = field(default=10, metadata={"help": "Virtual tokens of prefix and prompt tuning."})
+    prompt_init_text: str | None = field(
+        default=None, metadata={"help": "Initialise prompt tuning from this text (default: random)."}
+    )
+    torch_dtype: str = field(
+        default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16"]}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Which data, and how much of it."""
+
+    task_name: str | None = field(
+        default=None, metadata={"help": "A ready classification task.", "choices": list(TASKS)}
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset (default: the task's)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "Local training file (.csv, .tsv, .json, .jsonl)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local validation file."})
+    text_column: str = field(default="text", metadata={"help": "Text column of causal LM data."})
+    label_column: str = field(default="label", metadata={"help": "Label column of classification data."})
+    num_train: int | None = field(default=None, metadata={"help": "Sample this many training examples (MeZO: 1000)."})
+    num_eval: int | None = field(default=None, metadata={"help": "Sample this many validation examples."})
+    max_length: int = field(default=256, metadata={"help": "Maximum tokens per example."})
+    template: str | None = field(default=None, metadata={"help": "Prompt template (default: the task's)."})
+    label_words: list[str] | None = field(default=None, metadata={"help": "Label words (default: the task's)."})
+
+
+# ---------------------------------------------------------------------- data
+
+
+def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
+    """Load the train/validation splits from local files or the Hub and sample `num_train` / `num_eval`."""
+    if data.train_file or data.validation_file:
+        files = {s: f for s, f in (("train", data.train_file), ("validation", data.validation_file)) if f}
+        extensions = {os.path.splitext(f)[1].lower() for f in files.values()}
+        if len(extensions) != 1 or extensions - {".csv", ".tsv", ".json", ".jsonl"}:
+            raise ValueError(f"Local files must all be .csv, .tsv, .json or .jsonl, got {sorted(files.values())}.")
+        extension = extensions.pop()
+        if extension == ".tsv":
+            raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=csv.QUOTE_NONE)
+        else:
+            raw = load_dataset("json" if extension in (".json", ".jsonl") else "csv", data_files=files)
+    elif data.dataset_name or data.task_name:
+        name, config = (data.dataset_name, data.dataset_config_name)
+        if name is None:
+            name, config = TASKS[data.task_name].hub
+        raw = load_dataset(name, config)
+        raw = DatasetDict({s: raw[s] for s in ("train", "validation") if s in raw})
+    else:
+        raise ValueError("No data: pass --task_name, --dataset_name, or --train_file/--validation_file.")
+    for split, count in (("train", data.num_train), ("validation", data.num_eval)):
+        if count is not None and split in raw and count < len(raw[split]):
+            raw[split] = raw[split].shuffle(seed=seed).select(range(count))
+    return raw
+
+
+def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
+    task = TASKS.get(data.task_name) if data.task_name else None
+    fields = task.fields if task else ("sentence",)
+    return task, fields
+
+
+def tokenize_classification(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
+    """Tokenize the input field (or field pair) for a sequence classifier; keep `label`."""
+    _, fields = task_fields(data)
+
+    def tokenize(batch):
+        texts = [batch[f] for f in fields]
+        encoded = tokenizer(*texts, truncation=True, max_length=data.max_length)
+        encoded["label"] = batch[data.label_column]
+        return encoded
+
+    return raw.map(
+        tokenize, batched=True, remove_columns=raw["train" if "train" in raw else "validation"].column_names
+    )
+
+
+def tokenize_causal_lm(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
+    """Tokenize the text column for causal LM training."""
+
+    def tokenize(batch):
+        return tokenizer(batch[data.text_column], truncation=True, max_length=data.max_length)
+
+    return raw.map(
+        tokenize, batched=True, remove_columns=raw["train" if "train" in raw else "validation"].column_names
+    )
+
+
+def tokenize_prompts(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
+    """Turn each example into a prompt followed by a label word (MeZO's prompt-based classification).
+
+    Training rows are the prompt plus the correct word, with the loss on the word's tokens only. Validation rows keep
+    every candidate (`candidate_ids`), so evaluation scores all label words and picks the most likely.
+    """
+    task, _ = task_fields(data)
+    template = data.template or (task.template if task else None)
+    words = data.label_words or (task.label_words if task else None)
+    if template is None or words is None:
+        raise ValueError("Prompt-based classification needs --template and --label_words (or a --task_name).")
+    word_ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
+    if any(not ids for ids in word_ids):
+        raise ValueError(f"Every label word must tokenize to at least one token, got {dict(zip(words, word_ids))}.")
+
+    def prompt_ids(row) -> list[int]:
+        ids = tokenizer(template.format(**row), add_special_tokens=True)["input_ids"]
+        room = data.max_length - max(len(w) for w in word_ids)
+        return ids[-room:]  # long passages lose their beginning, the question stays
+
+    def train_row(row):
+        prompt, word = prompt_ids(row), word_ids[row[data.label_column]]
+        return {"input_ids": prompt + word, "labels": [-100] * len(prompt) + word}
+
+    def eval_row(row):
+        prompt = prompt_ids(row)
+        return {
+            "candidate_ids": [prompt + w for w in word_ids],
+            "prompt_length": len(prompt),
+            "label": row[data.label_column],
+        }
+
+    out = DatasetDict()
+    if "train" in raw:
+        out["train"] = raw["train"].map(train_row, remove_columns=raw["train"].column_names)
+    if "validation" in raw:
+        out["validation"] = raw["validation"].map(eval_row, remove_columns=raw["validation"].column_names)
+    return out
+
+
+class PromptCollator:
+    """Pads prompt-classification rows: training rows as a causal LM batch, validation rows as every candidate of
+    every example (`B * C` sequences) with a mask of the candidate-word tokens to score."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def _pad(self, sequences: list[list[int]], value: int) -> torch.Tensor:
+        length = max(len(s) for s in sequences)
+        return torch.tensor([s + [value] * (length - len(s)) for s in sequences])
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if "candidate_ids" not in rows[0]:
+            ids = [r["input_ids"] for r in rows]
+            return {
+                "input_ids": self._pad(ids, self.pad_token_id),
+                "attention_mask": self._pad([[1] * len(s) for s in ids], 0),
+                "labels": self._pad([r["labels"] for r in rows], -100),
+            }
+        ids = [c for r in rows for c in r["candidate_ids"]]
+        starts = [r["prompt_length"] for r in rows for _ in r["candidate_ids"]]
+        return {
+            "input_ids": self._pad(ids, self.pad_token_id),
+            "attention_mask": self._pad([[1] * len(s) for s in ids], 0),
+            "candidate_mask": self._pad([[0] * p + [1] * (len(s) - p) for s, p in zip(ids, starts)], 0),
+            "labels": torch.tensor([r["label"] for r in rows]),
+        }
+
+
+class PromptZOTrainer(ZOTrainer):
+    """`ZOTrainer` whose evaluation scores each label word by its log-likelihood after the prompt.
+
+    The predictions are the `(batch, num_labels)` candidate scores (sum of token log-probabilities), so accuracy is
+    their argmax; the evaluation loss is the cross-entropy of the scores against the true label.
+    """
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        if "candidate_mask" not in inputs:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        labels = inputs["labels"]
+        with torch.no_grad():
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            logits = logits[:, -inputs["input_ids"].shape[1] :]  # prompt tuning prepends virtual-token positions
+            logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            targets = inputs["input_ids"][:, 1:]
+            token_scores = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            scores = (token_scores * inputs["candidate_mask"][:, 1:]).sum(-1).view(labels.shape[0], -1)
+            loss = torch.nn.functional.cross_entropy(scores, labels)
+        return loss, (None if prediction_loss_only else scores), labels
+
+
+# ---------------------------------------------------------------------- model
+
+
+def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
+    if model_args.task_type != "auto":
+        return model_args.task_type
+    if data.task_name is None:
+        return "causal_lm"
+    architectures = AutoConfig.from_pretrained(model_args.model_name_or_path).architectures or []
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    return "prompt_classification" if causal else "classification"
+
+
+def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
+    """The PEFT config of `--peft` (a classifier's head goes to `modules_to_save`, trained with the adapter)."""
+    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
+
+    peft_task = TaskType.SEQ_CLS if task_type == "classification" else TaskType.CAUSAL_LM
+    if model_args.peft == "lora":
+        return LoraConfig(
+            task_type=peft_task,
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules,
+        )
+    if model_args.peft == "prefix":
+        return PrefixTuningConfig(task_type=peft_task, num_virtual_tokens=model_args.num_virtual_tokens)
+    init = PromptTuningInit.TEXT if model_args.prompt_init_text else PromptTuningInit.RANDOM
+    return PromptTuningConfig(
+        task_type=peft_task,
+        num_virtual_tokens=model_args.num_virtual_tokens,
+        prompt_tuning_init=init,
+        prompt_tuning_init_text=model_args.prompt_init_text,
+        tokenizer_name_or_path=model_args.model_name_or_path if model_args.prompt_init_text else None,
+    )
+
+
+def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer):
+    dtype = getattr(torch, model_args.torch_dtype)
+    if task_type == "classification":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, num_labels=num_labels, dtype=dtype
+        )
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
+    if model_args.peft:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, build_peft_config(model_args, task_type, tokenizer))
+    return model
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
+    """Parse the arguments, train, save, evaluate (and push to the Hub).
+
+    Returns:
+        `tuple[ZOTrainer, dict[str, float]]`: the trainer and the final evaluation metrics (empty without data).
+    """
+    parser = HfArgumentParser((ModelArguments, DataArguments, ZOConfig))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        model_args, data, args = (
+            parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
+        )
+    else:
+        model_args, data, args = parser.parse_args_into_dataclasses(argv)
+
+    task_type = resolve_task_type(model_args, data)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with args.main_process_first(desc="dataset loading"):
+        raw = load_raw_datasets(data, args.seed)
+        if task_type == "classification":
+            datasets = tokenize_classification(raw, tokenizer, data)
+        elif task_type == "prompt_classification":
+            datasets = tokenize_prompts(raw, tokenizer, data)
+        else:
+            datasets = tokenize_causal_lm(raw, tokenizer, data)
+
+    task, _ = task_fields(data)
+    num_labels = None
+    if task_type == "classification":
+        num_labels = len(task.label_words) if task else len(set(datasets["train"]["label"]))
+    model = load_model(model_args, task_type, num_labels, tokenizer)
+
+    trainer_class, kwargs = ZOTrainer, {}
+    if task_type == "causal_lm":
+        kwargs["data_collator"] = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    else:
+        metrics = task.metrics if task else ("accuracy",)
+        kwargs["compute_metrics"] = build_compute_metrics(metrics)
+        if task_type == "prompt_classification":
+            trainer_class = PromptZOTrainer
+            kwargs["data_collator"] = PromptCollator(tokenizer.pad_token_id)
+            args.remove_unused_columns = False
+            args.label_names = ["labels"]
+        else:
+            kwargs["data_collator"] = DataCollatorWithPadding(tokenizer)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=datasets.get("train"),
+        eval_dataset=datasets.get("validation"),
+        processing_class=tokenizer,
+        **kwargs,
+    )
+
+    metrics = {}
+    if args.do_train or not args.do_eval:
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        if not args.push_to_hub:  # push_to_hub saves, writes the card and uploads in one go
+            trainer.save_model()
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+    if "validation" in datasets:
+        metrics = trainer.evaluate()
+        if task_type == "causal_lm":
+            metrics["perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    if args.push_to_hub:
+        card = {"finetuned_from": model_args.model_name_or_path, "tags": ["zeroth-order", "hf-zo"]}
+        if data.task_name:
+            card["dataset"] = data.task_name
+        trainer.push_to_hub(**card)
+    return trainer, metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Classification heads that zeroth-order training can cope with.
+
+A newly initialised head is where ZO struggles most: the two-point estimate spreads one scalar over every trainable
+parameter, so a random head and a frozen body learn almost nothing in a few thousand steps. Two remedies, selected
+by `ZOConfig.zo_head_init` and `ZOConfig.zo_head_training`:
+
+- **linear probing** (MeZO's LP-then-MeZO): before ZO starts, the head's input features are collected over the
+  training set (one forward pass per example, no gradients) and a logistic regression fitted on them is written
+  into the head's last `nn.Linear`;
+- **first-order head**: the head is trained with exact gradients (a small AdamW on the head parameters only) while
+  the body stays zeroth-order. The head is taken out of the ZO parameter set; its gradients come from the two ZO
+  forward passes themselves (autograd is switched on at the head's input and the input is detached), so the only
+  extra memory is the head's activations, gradients and AdamW moments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+HEAD_INIT_CHOICES = ("auto", "none", "linear_probe")
+HEAD_TRAINING_CHOICES = ("auto", "zeroth_order", "first_order")
+HEAD_OPTIMIZER_NAME = "zo_head_optimizer.pt"
+
+# What "auto" means for a sequence classifier; other models keep their head as it is.
+AUTO_HEAD_INIT = "linear_probe"
+AUTO_HEAD_TRAINING = "first_order"
+
+
+def is_sequence_classifier(model: nn.Module) -> bool:
+    """Whether `model` (possibly PEFT-wrapped) is a `*ForSequenceClassification` model with a categorical head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    return (
+        type(base).__name__.endswith("ForSequenceClassification")
+        and getattr(config, "num_labels", 0) > 1
+        and getattr(config, "problem_type", None) in (None, "single_label_classification")
+    )
+
+
+def resolve_head_options(model: nn.Module, head_init: str, head_training: str) -> tuple[str, str]:
+    """Turn `"auto"` into the choice for `model`: linear probe and first-order head for a sequence classifier.
+
+    Returns:
+        `tuple[str, str]`: the effective `(head_init, head_training)`.
+    """
+    classifier = is_sequence_classifier(model)
+    if head_init == "auto":
+        head_init = AUTO_HEAD_INIT if classifier else "none"
+    if head_training == "auto":
+        head_training = AUTO_HEAD_TRAINING if classifier else "zeroth_order"
+    return head_init, head_training
+
+
+def find_head_modules(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, nn.Module]:
+    """The head modules of `model`, by qualified name.
+
+    Args:
+        model (`nn.Module`): the model, possibly PEFT-wrapped (a head in `modules_to_save` is found through its
+            wrapper).
+        names (`Iterable[str]`, *optional*): module names, matched against the end of each qualified module name
+            (`"classifier"` matches `base_model.model.classifier`). Without names, the head is the last `nn.Linear`
+            with trainable weights and `out_features == config.num_labels` (BERT's `classifier`, RoBERTa's
+            `classifier.out_proj`).
+
+    Returns:
+        `dict[str, nn.Module]`: the outermost matching modules, in model order.
+    """
+    modules = dict(model.named_modules())
+    if names:
+        found = {}
+        for wanted in names:
+            matches = [n for n in modules if n == wanted or n.endswith("." + wanted)]
+            matches = [n for n in matches if not any(n.startswith(m + ".") for m in matches)]
+            if not matches:
+                raise ValueError(f"zo_head_modules names {wanted!r}, but no module of {type(model).__name__} has it.")
+            found.update({n: modules[n] for n in matches})
+        return found
+    num_labels = getattr(getattr(model, "config", None), "num_labels", None)
+    linears = [
+        name
+        for name, module in modules.items()
+        if isinstance(module, nn.Linear) and module.out_features == num_labels and module.weight.requires_grad
+    ]
+    if not linears:
+        raise ValueError(
+            f"Could not find the classification head of {type(model).__name__}: no trainable nn.Linear with "
+            f"out_features == num_labels ({num_labels}). Name it with zo_head_modules (e.g. ['classifier'])."
+        )
+    return {linears[-1]: modules[linears[-1]]}
+
+
+def head_parameter_names(model: nn.Module, heads: Mapping[str, nn.Module]) -> list[str]:
+    """Qualified names of the trainable parameters inside `heads`, in `model.named_parameters()` order."""
+    prefixes = tuple(name + "." for name in heads)
+    return [name for name, p in model.named_parameters() if p.requires_grad and name.startswith(prefixes)]
+
+
+def last_trainable_linear(head: nn.Module) -> nn.Linear:
+    """The last `nn.Linear` with a trainable weight inside `head` (the head itself if it is one)."""
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    if not linears:
+        raise ValueError(f"The head {type(head).__name__} has no trainable nn.Linear to fit a linear probe into.")
+    return linears[-1]
+
+
+# ---------------------------------------------------------------------- linear probing
+
+
+@torch.no_grad()
+def collect_head_inputs(
+    model: nn.Module, linear: nn.Linear, batches: Iterable[Mapping], max_samples: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `model` over `batches` (eval mode, no gradients) and collect the inputs of `linear` and the labels.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: features `(n, in_features)` in fp32 on CPU and integer labels `(n,)`.
+    """
+    features, labels = [], []
+
+    def hook(module, args):
+        features.append(args[0].detach().float().cpu())
+
+    was_training = model.training
+    model.eval()
+    handle = linear.register_forward_pre_hook(hook)
+    try:
+        count = 0
+        for batch in batches:
+            label = batch.get("labels", batch.get("label"))
+            if label is None:
+                raise ValueError(f"Linear probing needs labels; the batch has only {sorted(batch)}.")
+            model(**{k: v for k, v in batch.items() if k not in ("labels", "label")})
+            labels.append(torch.as_tensor(label).view(-1).cpu())
+            count += labels[-1].numel()
+            if max_samples is not None and count >= max_samples:
+                break
+    finally:
+        handle.remove()
+        model.train(was_training)
+    x, y = torch.cat(features), torch.cat(labels).long()
+    if x.dim() != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"Linear probing needs one feature vector per label, got features {tuple(x.shape)} for {y.numel()} "
+            "labels; it supports sequence-level heads only (set zo_head_init='none')."
+        )
+    if max_samples is not None:
+        x, y = x[:max_samples], y[:max_samples]
+    return x, y
+
+
+def fit_logistic_regression(
+    features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2: float = 1e-2, max_iter: int = 200
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multinomial logistic regression with an L2 penalty, fitted by L-BFGS on standardised features.
+
+    Minimises ``mean CE(x W^T + b, y) + l2 / 2 * ||W_std||^2`` where ``W_std`` are the weights on standardised
+    features, then folds the standardisation back into ``(W, b)``.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: weight `(num_classes, in_features)` and bias `(num_classes,)`, fp32.
+    """
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"Labels must be in [0, {num_classes}), got values in [{labels.min()}, {labels.max()}].")
+    x = features.double()
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    x = (x - mean) / std
+    weight = torch.zeros(num_classes, x.shape[1], dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(num_classes, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(x @ weight.T + bias, labels) + 0.5 * l2 * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    weight, bias = weight.detach() / std, bias.detach() - (weight.detach() / std) @ mean
+    return weight.float(), bias.float()
+
+
+@torch.no_grad()
+def fit_linear_probe(
+    model: nn.Module,
+    head: nn.Module,
+    batches: Iterable[Mapping],
+    max_samples: int | None = None,
+    l2: float = 1e-2,
+) -> float:
+    """Fit the last `nn.Linear` of `head` as a logistic regression on the frozen features it receives.
+
+    Args:
+        model (`nn.Module`): the model whose forward feeds `head`.
+        head (`nn.Module`): the head module (e.g. `model.classifier`).
+        batches (`Iterable[Mapping]`): model inputs with `labels` (or `label`), e.g. a training `DataLoader`.
+        max_samples (`int`, *optional*): stop collecting features after this many examples.
+        l2 (`float`, defaults to 1e-2): L2 penalty on the weights (on standardised features).
+
+    Returns:
+        `float`: the probe's accuracy on the examples it was fitted on.
+    """
+    linear = last_trainable_linear(head)
+    features, labels = collect_head_inputs(model, linear, batches, max_samples)
+    weight, bias = fit_logistic_regression(features, labels, linear.out_features, l2=l2)
+    linear.weight.copy_(weight.to(linear.weight))
+    if linear.bias is not None:
+        linear.bias.copy_(bias.to(linear.bias))
+    else:
+        logger.warning("The head Linear has no bias; the probe's intercept is dropped.")
+    logits = features @ weight.T + (bias if linear.bias is not None else 0.0)
+    return float((logits.argmax(-1) == labels).float().mean())
+
+
+# ---------------------------------------------------------------------- first-order head
+
+
+class FirstOrderHead:
+    """Trains `heads` with exact gradients inside the zeroth-order forward passes.
+
+    While :meth:`capture` is active, autograd is switched on at each head's input (which is detached), so the loss
+    of a forward pass carries a graph through the heads only; :meth:`backward` accumulates their gradients and
+    :meth:`step` applies the mean gradient with AdamW. The body runs without autograd as before.
+
+    Args:
+        heads (`Mapping[str, nn.Module]`): the head modules.
+        params (`list[torch.Tensor]`): their trainable parameters.
+        lr (`float`): AdamW learning rate.
+        weight_decay (`float`, defaults to 0.0): AdamW weight decay.
+    """
+
+    def __init__(
+        self, heads: Mapping[str, nn.Module], params: list[torch.Tensor], lr: float, weight_decay: float = 0.0
+    ):
+        if not params:
+            raise ValueError(f"The heads {list(heads)} have no trainable parameters to train first-order.")
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.num_backward = 0
+        self._active = False
+        self._handles = [h.register_forward_pre_hook(self._enter_head) for h in heads.values()]
+
+    def _enter_head(self, module, args):
+        if not self._active:
+            return None
+        torch.set_grad_enabled(True)
+        return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Context of one ZO forward pass: gradients flow from the loss into the heads, never into the body."""
+        previous = torch.is_grad_enabled()
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            torch.set_grad_enabled(previous)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Accumulate the heads' gradients of `loss` (if it has a graph) and return it detached."""
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+            self.num_backward += 1
+            return loss.detach()
+        return loss
+
+    def step(self) -> None:
+        """Apply the mean of the accumulated gradients (averaged over ranks when distributed) and clear them."""
+        if self.num_backward == 0:
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        for p in self.params:
+            if p.grad is None:
+                continue
+            p.grad.div_(self.num_backward)
+            if distributed and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_backward = 0
+
+    def close(self) -> None:
+        """Remove the hooks from the heads."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class ZOHeads(TrainerCallback):
+    """The head options of one `ZOTrainer.train()` call; built by :func:`prepare_zo_heads`.
+
+    Attributes:
+        names (`list[str]`): qualified names of the head modules (empty if no head option is active).
+        zo_excluded (`set[str]`): parameter names that the ZO optimizer must leave alone (the first-order head).
+        first_order (`FirstOrderHead` or `None`): the first-order trainer of the heads, if any.
+    """
+
+    def __init__(self, names: list[str] | None = None, zo_excluded=(), first_order: FirstOrderHead | None = None):
+        self.names = list(names or [])
+        self.zo_excluded = set(zo_excluded)
+        self.first_order = first_order
+
+    def capture(self):
+        """Context manager around one ZO forward + loss (see :meth:`FirstOrderHead.capture`)."""
+        return self.first_order.capture() if self.first_order is not None else contextlib.nullcontext()
+
+    def backward(self, loss):
+        """Accumulate the first-order head's gradients of `loss`; returns `loss` detached."""
+        return self.first_order.backward(loss) if self.first_order is not None else loss
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.first_order is not None:
+            self.first_order.step()
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.first_order is None or not state.is_world_process_zero:
+            return
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(checkpoint):
+            torch.save(self.first_order.optimizer.state_dict(), os.path.join(checkpoint, HEAD_OPTIMIZER_NAME))
+
+    def load_checkpoint(self, checkpoint: str) -> None:
+        """Restore the first-order head's AdamW state saved in `checkpoint` (if it has one)."""
+        path = os.path.join(checkpoint, HEAD_OPTIMIZER_NAME)
+        if self.first_order is not None and os.path.isfile(path):
+            self.first_order.optimizer.load_state_dict(torch.load(path, weights_only=True))
+
+    def close(self) -> None:
+        """Detach from the model (hooks removed)."""
+        if self.first_order is not None:
+            self.first_order.close()
+
+
+def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) -> ZOHeads:
+    """Apply `trainer.args.zo_head_*` to `trainer.model` at the start of training.
+
+    Fits the linear probe (unless resuming: the checkpoint holds the head) and sets up the first-order head, whose
+    parameters `ZOTrainer.create_optimizer` then leaves out of the ZO parameter set.
+
+    Returns:
+        `ZOHeads`: registered as a callback of `trainer`.
+    """
+    args, model = trainer.args, trainer.model
+    head_init, head_training = resolve_head_options(model, args.zo_head_init, args.zo_head_training)
+    if head_init == "none" and head_training == "zeroth_order":
+        return ZOHeads()
+    heads = find_head_modules(model, args.zo_head_modules)
+    if head_init == "linear_probe" and not resume_from_checkpoint:
+        if trainer.train_dataset is None:
+            raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
+        for name, head in heads.items():
+            batches = trainer.get_eval_dataloader(trainer.train_dataset)
+            accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples)
+            _broadcast_from_main(head)
+            logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
+    if head_training != "first_order":
+        return ZOHeads(list(heads))
+    names = head_parameter_names(model, heads)
+    named = dict(model.named_parameters())
+    first_order = FirstOrderHead(
+        heads, [named[n] for n in names], lr=args.zo_head_learning_rate, weight_decay=args.weight_decay
+    )
+    zo_heads = ZOHeads(list(heads), names, first_order)
+    if resume_from_checkpoint:
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(args.output_dir)
+        if checkpoint:
+            zo_heads.load_checkpoint(checkpoint)
+    return zo_heads
+
+
+def _broadcast_from_main(module: nn.Module) -> None:
+    """Make every rank hold rank 0's fitted head (ranks may have probed different data shards)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for tensor in module.parameters():
+            torch.distributed.broadcast(tensor.data, src=0)

@@ -1,0 +1,239 @@
+"""examples/train.py end to end on tiny models and tiny local files: train, save, reload, evaluate, push."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+from tiny_models import VOCAB, tiny_bert_classifier, tiny_causal_lm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "good great fine nice bad awful poor dull movie film plot it was terrible is a the".split()
+SPECIAL = ["<unk>", "<pad>", "</s>"]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("hf_zo_example_train", os.path.join(ROOT, "examples", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+train_script = load_example()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    assert len(vocab) <= VOCAB
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+
+
+def sentences(n: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    positive, negative, nouns = ["good", "great", "fine", "nice"], ["bad", "awful", "poor", "dull"], ["movie", "film"]
+    rows = []
+    for i in range(n):
+        label = i % 2
+        words = positive if label else negative
+        pick = torch.randint(0, 4, (2,), generator=generator).tolist()
+        rows.append({"sentence": f"a {words[pick[0]]} {nouns[pick[1] % 2]} , {words[pick[1]]} plot", "label": label})
+    return rows
+
+
+def write_tsv(path, rows):
+    with open(path, "w") as f:
+        f.write("sentence\tlabel\n" + "".join(f"{r['sentence']}\t{r['label']}\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Tiny models with the tiny tokenizer saved next to them, and SST-2-shaped and text files."""
+    root = tmp_path_factory.mktemp("example")
+    tokenizer = tiny_tokenizer()
+    for name, model in (("lm", tiny_causal_lm("opt")), ("bert", tiny_bert_classifier())):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    write_tsv(root / "train.tsv", sentences(32, seed=0))
+    write_tsv(root / "validation.tsv", sentences(12, seed=1))
+    for split, n in (("train", 32), ("validation", 8)):
+        with open(root / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": r["sentence"] + " it was good"}) + "\n" for r in sentences(n, 2))
+    return root
+
+
+def run_example(workspace, tmp_path, *extra: str):
+    argv = [
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "8",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--use_cpu",
+        "--max_length",
+        "32",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
+    return train_script.main(argv)
+
+
+KINDS = {
+    "causal_lm": ("lm", "jsonl", ["--task_type", "causal_lm"]),
+    "classification": ("bert", "tsv", ["--task_name", "sst2", "--zo_head_init_max_samples", "16"]),
+    "prompt_classification": ("lm", "tsv", ["--task_name", "sst2"]),
+}
+
+
+@pytest.mark.parametrize("peft", [None, "lora"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
+    model_dir, extension, extra = KINDS[kind]
+    base = str(workspace / model_dir)
+    argv = [
+        "--model_name_or_path",
+        base,
+        "--train_file",
+        str(workspace / f"train.{extension}"),
+        "--validation_file",
+        str(workspace / f"validation.{extension}"),
+        "--learning_rate",
+        "1e-2",
+        *extra,
+    ]
+    if peft:
+        argv += ["--peft", peft, "--zo_eps", "1e-2"]
+    trainer, metrics = run_example(workspace, tmp_path, *argv)
+
+    assert trainer.state.global_step == 4
+    assert "eval_loss" in metrics and (kind == "causal_lm") == ("eval_accuracy" not in metrics)
+    if kind == "prompt_classification":
+        assert type(trainer).__name__ == "PromptZOTrainer"
+        assert trainer.model.config.architectures == ["OPTForCausalLM"]
+    if kind == "classification":
+        assert trainer.zo_heads.names  # the default head options applied to the new head
+
+    # The saved model (or adapter) reloads to the same weights and reproduces the evaluation.
+    auto = AutoModelForSequenceClassification if kind == "classification" else AutoModelForCausalLM
+    reloaded = auto.from_pretrained(base if peft else str(tmp_path / "out"))
+    if peft:
+        from peft import PeftModel
+
+        reloaded = PeftModel.from_pretrained(reloaded, str(tmp_path / "out"))
+    trained = trainer.model.state_dict()
+    original = auto.from_pretrained(base).state_dict()
+    reloaded_state = reloaded.state_dict()
+    assert trained.keys() == reloaded_state.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(tensor, reloaded_state[name]), name
+    if peft is None:
+        assert any(not torch.equal(t, original[n]) for n, t in reloaded_state.items() if n in original)
+    else:
+        assert any("lora_B" in n and bool(t.abs().sum() > 0) for n, t in reloaded_state.items())
+    trainer.model = trainer.model_wrapped = reloaded.eval()
+    again = trainer.evaluate()
+    for key in ("eval_loss", "eval_accuracy"):
+        if key in metrics:
+            assert again[key] == pytest.approx(metrics[key], abs=1e-6), key
+
+
+def test_prompt_evaluation_scores_label_words(workspace, tmp_path):
+    """Evaluation picks the label word with the highest log-likelihood after the prompt."""
+    trainer, metrics = run_example(
+        workspace,
+        tmp_path,
+        "--model_name_or_path",
+        str(workspace / "lm"),
+        "--task_name",
+        "sst2",
+        "--train_file",
+        str(workspace / "train.tsv"),
+        "--validation_file",
+        str(workspace / "validation.tsv"),
+        "--learning_rate",
+        "0",
+    )
+    model, tokenizer = trainer.model, trainer.processing_class
+    batch = trainer.data_collator([trainer.eval_dataset[0]])
+    assert batch["input_ids"].shape[0] == 2  # one sequence per label word
+    output = trainer.predict(trainer.eval_dataset)
+    expected = []
+    for row in trainer.eval_dataset:
+        scores = []
+        for candidate in row["candidate_ids"]:
+            ids = torch.tensor([candidate])
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+            positions = range(row["prompt_length"] - 1, len(candidate) - 1)
+            scores.append(sum(float(logprobs[p, candidate[p + 1]]) for p in positions))
+        expected.append(scores)
+    assert torch.allclose(torch.tensor(output.predictions), torch.tensor(expected), atol=1e-4)
+    assert tokenizer.decode(trainer.eval_dataset[0]["candidate_ids"][1][-1:]).strip() == "great"
+
+
+def test_push_to_hub_uploads_model_and_card(workspace, tmp_path, monkeypatch):
+    """--push_to_hub uploads the trained model with a model card tagged zeroth-order and hf-zo (no network)."""
+    import huggingface_hub
+
+    calls = {}
+
+    class RepoUrl(str):
+        repo_id = "someone/tiny-zo"
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"] = repo_id
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        files = sorted(os.listdir(folder_path))
+        with open(os.path.join(folder_path, "README.md")) as f:
+            calls["upload_folder"] = {"repo_id": repo_id, "files": files, "card": f.read(), **kwargs}
+        return "commit"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    run_example(
+        workspace,
+        tmp_path,
+        "--model_name_or_path",
+        str(workspace / "bert"),
+        "--task_name",
+        "sst2",
+        "--train_file",
+        str(workspace / "train.tsv"),
+        "--validation_file",
+        str(workspace / "validation.tsv"),
+        "--peft",
+        "lora",
+        "--push_to_hub",
+        "--hub_model_id",
+        "someone/tiny-zo",
+        "--zo_head_init_max_samples",
+        "16",
+    )
+    assert calls["create_repo"] == "someone/tiny-zo"
+    upload = calls["upload_folder"]
+    assert upload["repo_id"] == "someone/tiny-zo"
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= set(upload["files"])
+    header = upload["card"].split("---")[1]
+    assert "- zeroth-order" in header and "- hf-zo" in header
+    assert "library_name: peft" in header
