@@ -5,10 +5,28 @@ from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
 from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 from .trainer import ZOTrainer
+from .trajectory import (
+    TRAJECTORY_NAME,
+    TrajectoryFormatError,
+    TrajectoryMismatchError,
+    ZOTrajectory,
+    ZOTrajectoryCallback,
+    ZOTrajectoryStep,
+    push_trajectory_to_hub,
+    replay,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "TRAJECTORY_NAME",
+    "TrajectoryFormatError",
+    "TrajectoryMismatchError",
+    "ZOTrajectory",
+    "ZOTrajectoryCallback",
+    "ZOTrajectoryStep",
+    "push_trajectory_to_hub",
+    "replay",
     "LazyParameters",
     "Noise",
     "NoiseUpdate",

@@ -20,6 +20,7 @@ from .config import ZOConfig
 from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
+from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 
 logger = logging.get_logger(__name__)
 
@@ -92,6 +93,8 @@ class ZOTrainer(Trainer):
             )
         self._check_train_dataset()
         self.add_callback(ZOFlushCallback)
+        self.zo_trajectory_callback = ZOTrajectoryCallback()
+        self.add_callback(self.zo_trajectory_callback)
         self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
         if self.optimizer is not None:
             self.zo_plugin.prepare_optimizer(self.zo_optimizer)
@@ -246,6 +249,19 @@ class ZOTrainer(Trainer):
         """`Trainer.save_model` of the true (flushed) weights; used by checkpoints too."""
         self.flush_pending_update()
         super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:
+            self.zo_trajectory_callback.save(output_dir or self.args.output_dir, self.model)
+
+    @property
+    def zo_trajectory(self) -> ZOTrajectory | None:
+        """The run's trajectory (seeds, projected gradients, lr and weight decay of every step), once training began;
+        `save_model` writes it as `zo_trajectory.bin`."""
+        return self.zo_trajectory_callback.trajectory
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """`Trainer._load_optimizer_and_scheduler`; the trajectory saved in `checkpoint` is then continued."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self.zo_trajectory_callback.resume_from = checkpoint
 
     def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
         """`Trainer.create_model_card` with the `zeroth-order` and `hf-zo` tags added."""

@@ -1,0 +1,192 @@
+"""The `hf-zo` command: rebuild a fine-tuned model from its trajectory, or inspect a trajectory.
+
+hf-zo replay BASE TRAJECTORY OUT     # BASE: model folder or Hub id (PEFT runs: the initial adapter's folder)
+hf-zo inspect TRAJECTORY             # TRAJECTORY: a zo_trajectory.bin, a folder holding one, or a Hub repo id
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+from transformers.utils import logging
+
+from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
+
+logger = logging.get_logger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `hf-zo` command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"hf-zo {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-zo", description="Zeroth-order fine-tuning trajectories.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    rebuild = commands.add_parser("replay", help="Apply a trajectory to its base model and save the result.")
+    rebuild.add_argument("base", help="Base model folder or Hub id; for a PEFT run, the initial adapter's folder.")
+    rebuild.add_argument("trajectory", help=f"A {TRAJECTORY_NAME}, a folder holding one, or a Hub repo id.")
+    rebuild.add_argument("out", help="Folder to save the fine-tuned model (or adapter) into.")
+    rebuild.add_argument("--revision", help="Hub revision of BASE.")
+    rebuild.add_argument("--trajectory-revision", help="Hub revision of TRAJECTORY.")
+    rebuild.add_argument("--device", help="Device to replay on (default: the recorded device type if available).")
+    rebuild.add_argument("--no-verify", action="store_true", help="Skip the base and result checksum checks.")
+    rebuild.set_defaults(run=_replay)
+
+    show = commands.add_parser("inspect", help="Print a trajectory's header and step statistics.")
+    show.add_argument("trajectory", help=f"A {TRAJECTORY_NAME}, a folder holding one, or a Hub repo id.")
+    show.add_argument("--revision", help="Hub revision of TRAJECTORY.")
+    show.add_argument("--steps", type=int, default=3, help="Number of first steps to list (default 3).")
+    show.add_argument("--json", action="store_true", help="Print the JSON header only.")
+    show.set_defaults(run=_inspect)
+    return parser
+
+
+# ---------------------------------------------------------------------- replay
+
+
+def _replay(args: argparse.Namespace) -> int:
+    trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
+    model = _load_base(args.base, trajectory, args.revision).to(_device(args.device, trajectory))
+    replay(model, trajectory, verify=not args.no_verify, show_progress=True)
+    model.save_pretrained(args.out)
+    trajectory.save(args.out)
+    _copy_tokenizer(args.base, args.out, args.revision)
+    print(f"Replayed {len(trajectory)} steps onto {args.base}; saved the fine-tuned model to {args.out}.")
+    return 0
+
+
+def _load_base(base: str, trajectory: ZOTrajectory, revision: str | None) -> torch.nn.Module:
+    import transformers
+
+    described = trajectory.header["base_model"]
+    model_class = getattr(transformers, described["model_class"], None)
+    if model_class is None:
+        raise ValueError(
+            f"transformers has no class {described['model_class']!r} (the recorded model class); load the base model "
+            "yourself and call hf_zo.replay(model, trajectory)."
+        )
+    dtype = getattr(torch, described.get("dtype") or "float32")
+    if not described["peft"]:
+        return model_class.from_pretrained(base, revision=revision, dtype=dtype)
+    from peft import PeftConfig, PeftModel
+
+    if os.path.isdir(base) and not os.path.isfile(os.path.join(base, "adapter_config.json")):
+        raise ValueError(
+            f"This trajectory trains a {described['peft']['peft_type']} adapter, so BASE must be the folder of the "
+            f"initial adapter (saved with model.save_pretrained before training), but {base} has no "
+            "adapter_config.json."
+        )
+    adapter_config = PeftConfig.from_pretrained(base, revision=revision)
+    model = model_class.from_pretrained(adapter_config.base_model_name_or_path, dtype=dtype)
+    return PeftModel.from_pretrained(model, base, revision=revision, is_trainable=True)
+
+
+def _device(requested: str | None, trajectory: ZOTrajectory) -> torch.device:
+    if requested is not None:
+        return torch.device(requested)
+    recorded = trajectory.header["device_type"]
+    if recorded != "cpu" and not getattr(torch, recorded).is_available():
+        logger.warning("The trajectory was recorded on %s, which is not available here: replaying on cpu.", recorded)
+        return torch.device("cpu")
+    return torch.device(recorded)
+
+
+def _copy_tokenizer(base: str, out: str, revision: str | None) -> None:
+    """Save BASE's tokenizer next to the model when it has one (a local folder without one is skipped)."""
+    if os.path.isdir(base) and not os.path.isfile(os.path.join(base, "tokenizer_config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base, revision=revision)
+    except (OSError, ValueError) as error:
+        logger.info("No tokenizer saved with the model: %s", error)
+        return
+    tokenizer.save_pretrained(out)
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.revision)
+    if args.json:
+        print(json.dumps(trajectory.header, indent=2, sort_keys=True))
+        return 0
+    for label, value in _describe(trajectory, args.trajectory):
+        print(f"{label:<12} {value}")
+    steps = list(trajectory.steps())
+    if args.steps > 0 and steps:
+        print(f"first {min(args.steps, len(steps))} steps (step: lr per group | seed:projected_grad per estimate):")
+        for step in steps[: args.steps]:
+            lrs = ", ".join(f"{lr:.3g}" for lr in step.lrs)
+            estimates = " ".join(f"{seed:016x}:{grad:+.4g}" for seed, grad in zip(step.seeds, step.projected_grads))
+            print(f"  {step.step:>6}: {lrs} | {estimates}")
+    return 0
+
+
+def _describe(trajectory: ZOTrajectory, source: str) -> list[tuple[str, str]]:
+    header = trajectory.header
+    base, optimizer = header["base_model"], header["optimizer"]
+    size = len(trajectory.to_bytes())
+    body = trajectory.body_bytes
+    steps = list(trajectory.steps())
+    grads = [g for step in steps for g in step.projected_grads]
+    finite = [g for g in grads if not math.isnan(g)]
+    parameters = header["parameters"]
+    numel = sum(math.prod(p["shape"]) for p in parameters)
+    dtypes = ", ".join(sorted({p["dtype"] for p in parameters}))
+    adapter = f" + {base['peft']['peft_type']} adapter" if base["peft"] else ""
+    end = header["checksums"]["end"]
+    reason = trajectory.replayable()
+    rows = [
+        ("trajectory", f"{source} (format version {header['format_version']}, {size:,} bytes)"),
+        ("base model", f"{base['name_or_path']} (revision {base['revision']}, {base['model_class']}{adapter})"),
+        (
+            "optimizer",
+            f"{optimizer['class']} ({optimizer['name']}): eps={optimizer['eps']}, "
+            f"noise={optimizer['noise']['distribution']}, perturbations={optimizer['num_perturbations']}, "
+            f"seed={optimizer['seed']}",
+        ),
+        (
+            "parameters",
+            f"{len(parameters)} tensors, {numel:,} elements, {dtypes}, {len(header['param_groups'])} groups, "
+            f"recorded on {header['device_type']}",
+        ),
+        (
+            "steps",
+            f"{trajectory.first_step} to {trajectory.next_step - 1} ({len(steps)} steps, {len(grads)} estimates, "
+            f"{len(grads) - len(finite)} skipped)",
+        ),
+    ]
+    if steps:
+        for position, name in enumerate(("lr", "weight decay")):
+            values = [s.lrs if position == 0 else s.weight_decays for s in steps]
+            per_group = [
+                f"{min(v[g] for v in values):.3g}..{max(v[g] for v in values):.3g}" for g in range(len(values[0]))
+            ]
+            rows.append((name, " | ".join(per_group) + " (per group, min..max)"))
+    if finite:
+        mean_abs = sum(abs(g) for g in finite) / len(finite)
+        rows.append(("proj. grad", f"mean |g| {mean_abs:.4g}, min {min(finite):.4g}, max {max(finite):.4g}"))
+    per_step = f"{body / len(steps):.1f} bytes/step" if steps else "no steps"
+    rows.append(("size", f"header {size - body:,} bytes + body {body:,} bytes ({per_step})"))
+    rows.append(("checksums", f"start {header['checksums']['start']['sha256'][:16]}"))
+    if end is not None:
+        rows[-1] = ("checksums", f"{rows[-1][1]}, end {end['sha256'][:16]} (after step {end['step'] - 1})")
+    rows.append(("replayable", "yes" if reason is None else f"no: {reason}"))
+    return rows
