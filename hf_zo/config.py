@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .engine import ZO_ENGINES
 from .heads import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES
 from .noise import NOISE_DISTRIBUTIONS
+from .offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
 from .optim import ZO_OPTIMIZERS
 
 
@@ -70,6 +72,29 @@ class ZOConfig(TrainingArguments):
         zo_head_init_max_samples (`int`, *optional*, defaults to `4096`):
             Training examples the linear probe is fitted on (one forward pass each).
 
+    Parameters that control the execution engine and offload (ZO2):
+
+        zo_engine (`str`, *optional*, defaults to `"sequential"`):
+            `"sequential"` runs the whole model at `θ + eps z`, then at `θ - eps z` (any model). `"dual"` runs both
+            forwards together, one repeated block at a time (found from `_no_split_modules`), so each block is
+            perturbed, used by both and restored while it is resident: same losses and weights as `"sequential"`
+            (bitwise in fp32), and the schedule that offload needs. Activation memory is that of a doubled batch.
+        zo_exact_restore (`bool`, *optional*, defaults to `False`):
+            With `"dual"`, restore each block from a saved copy (one block of memory) instead of subtracting the
+            perturbation: exact in bf16/fp16, no longer bitwise equal to `"sequential"` in fp32.
+        zo_offload (`str`, *optional*):
+            Keep the blocks in `"cpu"` memory (pinned when CUDA is available) or on `"disk"` (memory-mapped
+            safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
+            `zo_optimizer="zo_sgd"` (whose updates wait until each block arrives). The other modules stay resident.
+        zo_offload_dir (`str`, *optional*):
+            Directory of the `"disk"` tier's block files (default: a temporary directory, removed at exit).
+        zo_offload_prefetch (`int`, *optional*, defaults to `1`):
+            Blocks loaded ahead of the one computing; peak block memory on the working device is `prefetch + 1`
+            blocks.
+        zo_offload_dtype (`str`, *optional*):
+            Storage and transfer dtype (`"float32"`, `"bfloat16"`, `"float16"`) of *frozen* block tensors (e.g. PEFT
+            base weights), upcast on arrival. Trainable tensors always keep full-precision masters.
+
     Defaults changed from `TrainingArguments`:
 
         max_grad_norm (`float`, defaults to `0.0`):
@@ -105,6 +130,18 @@ class ZOConfig(TrainingArguments):
     zo_head_init_max_samples: int | None = field(
         default=4096, metadata={"help": "Training examples the linear probe is fitted on."}
     )
+    zo_engine: str = field(
+        default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
+    )
+    zo_exact_restore: bool = field(default=False, metadata={"help": "Dual engine: restore blocks from a copy."})
+    zo_offload: str | None = field(
+        default=None, metadata={"help": "Offload blocks to this tier.", "choices": list(OFFLOAD_TIERS)}
+    )
+    zo_offload_dir: str | None = field(default=None, metadata={"help": "Directory of the disk tier."})
+    zo_offload_prefetch: int = field(default=1, metadata={"help": "Blocks loaded ahead of the one computing."})
+    zo_offload_dtype: str | None = field(
+        default=None, metadata={"help": "Dtype of frozen offloaded tensors.", "choices": list(OFFLOAD_DTYPES)}
+    )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
     average_tokens_across_devices: bool = field(
@@ -117,7 +154,42 @@ class ZOConfig(TrainingArguments):
             self.zo_seed = self.seed
         super().__post_init__()
 
+    def _validate_zo_engine_arguments(self) -> None:
+        if self.zo_engine not in ZO_ENGINES:
+            raise ValueError(f"Unknown zo_engine {self.zo_engine!r}; choose one of {list(ZO_ENGINES)}.")
+        if self.zo_exact_restore and self.zo_engine != "dual":
+            raise ValueError("zo_exact_restore needs zo_engine='dual'; set both or leave zo_exact_restore=False.")
+        if self.zo_offload is None:
+            if self.zo_offload_dir is not None:
+                raise ValueError(
+                    f"zo_offload_dir={self.zo_offload_dir!r} is set but zo_offload is None; set "
+                    "zo_offload='disk' or drop zo_offload_dir."
+                )
+            return
+        if self.zo_offload not in OFFLOAD_TIERS:
+            raise ValueError(f"Unknown zo_offload {self.zo_offload!r}; choose one of {list(OFFLOAD_TIERS)} or None.")
+        if self.zo_engine != "dual":
+            raise ValueError(
+                f"zo_offload={self.zo_offload!r} needs zo_engine='dual' (got {self.zo_engine!r}): only "
+                "the dual engine visits each block once per estimate."
+            )
+        if self.zo_optimizer != "zo_sgd":
+            raise ValueError(
+                f"zo_offload needs zo_optimizer='zo_sgd' (got {self.zo_optimizer!r}): its update "
+                "waits in the pending move until each block arrives; the others sweep all weights at "
+                "every step."
+            )
+        if self.zo_offload_dir is not None and self.zo_offload != "disk":
+            raise ValueError(f"zo_offload_dir is only used by zo_offload='disk', got zo_offload={self.zo_offload!r}.")
+        if not isinstance(self.zo_offload_prefetch, int) or self.zo_offload_prefetch < 0:
+            raise ValueError(f"zo_offload_prefetch must be an integer >= 0, got {self.zo_offload_prefetch!r}.")
+        if self.zo_offload_dtype is not None and self.zo_offload_dtype not in OFFLOAD_DTYPES:
+            raise ValueError(
+                f"Unknown zo_offload_dtype {self.zo_offload_dtype!r}; choose one of {list(OFFLOAD_DTYPES)} or None."
+            )
+
     def _validate_zo_arguments(self) -> None:
+        self._validate_zo_engine_arguments()
         if not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
             raise ValueError(f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix).")
         if self.zo_optimizer not in ZO_OPTIMIZERS:

@@ -17,6 +17,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from .config import ZOConfig
+from .engine import DualEngine
+from .engine.setup import offload_model
 from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
@@ -77,6 +79,18 @@ class ZOTrainer(Trainer):
             args = _to_zo_config(args)
         if model is not None:
             _check_trainable(model)
+        # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the resident
+        # modules reach the device.
+        self.zo_offloader = None
+        if model is not None and args.zo_offload is not None:
+            self.zo_offloader = offload_model(
+                model,
+                args.zo_offload,
+                args.zo_offload_dir,
+                args.device,
+                args.zo_offload_prefetch,
+                args.zo_offload_dtype,
+            )
         super().__init__(
             model=model,
             args=args,
@@ -98,6 +112,7 @@ class ZOTrainer(Trainer):
         self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
         if self.optimizer is not None:
             self.zo_plugin.prepare_optimizer(self.zo_optimizer)
+            self._attach_zo_engine(self.zo_optimizer)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
         self._zo_log_grads: list[float] = []
@@ -165,7 +180,14 @@ class ZOTrainer(Trainer):
         param_groups = [g for g in groups.values() if g["params"]]
         self.optimizer = build_zo_optimizer(self.args, param_groups)
         self.zo_plugin.prepare_optimizer(self.optimizer)
+        self._attach_zo_engine(self.optimizer)
         return self.optimizer
+
+    def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
+        """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
+        if self.args.zo_engine == "dual":
+            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=self.args.zo_exact_restore)
+            optimizer.attach_engine(engine)
 
     # ------------------------------------------------------------------ distributed layout
 
@@ -281,6 +303,7 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
         num_perturbations=args.zo_num_perturbations,
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,
+        cache_noise=args.zo_noise_cache,
     )
     if args.zo_optimizer == "zo_sgd_momentum":
         kwargs["momentum"] = args.zo_momentum

@@ -78,11 +78,11 @@ class BlockOffloader:
         with torch.no_grad():
             views = self.storage.store_block(b, [(n, p.detach().to(d)) for (n, p), d in zip(named, store_dtypes)])
         params = [p for _, p in named]
+        self._dtypes.append([p.dtype for p in params])
         for param, view in zip(params, views):
             param.data = view
         self.params.append(params)
         self.views.append(views)
-        self._dtypes.append([p.dtype for p in params])
         for buffer_owner in block.modules():
             for name, buffer in buffer_owner.named_buffers(recurse=False):
                 if buffer is not None:

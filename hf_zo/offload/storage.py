@@ -16,8 +16,10 @@ import os
 import shutil
 import struct
 import tempfile
+import weakref
 from collections.abc import Sequence
 
+import numpy
 import torch
 from safetensors.torch import save_file
 
@@ -71,6 +73,9 @@ class DiskStorage(BlockStorage):
         self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
         os.makedirs(self.directory, exist_ok=True)
         self.paths: list[str] = []
+        if self._owns_directory:
+            # Mapped files stay readable after unlinking, so the directory can go when the storage does.
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
 
     def store_block(self, block, named_tensors):
         path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
@@ -105,25 +110,28 @@ _SAFETENSORS_DTYPES = {
 
 
 def _map_safetensors(path: str, names: Sequence[str]) -> list[torch.Tensor]:
-    """Writable views of the tensors `names` of the safetensors file `path`, backed by a shared memory map."""
-    size = os.path.getsize(path)
+    """Writable views of the tensors `names` of the safetensors file `path`, each backed by its own shared memory
+    map (distinct storages, so `save_pretrained` does not mistake them for tied weights)."""
     with open(path, "rb") as handle:
         (header_size,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(header_size))
-    mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     base = 8 + header_size
     views = []
     for name in names:
         entry = header[name]
         dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
         start, stop = entry["data_offsets"]
+        if stop == start:
+            views.append(torch.empty(entry["shape"], dtype=dtype))
+            continue
         itemsize = torch.empty((), dtype=dtype).element_size()
         if (base + start) % itemsize:
             raise RuntimeError(
                 f"Tensor {name!r} of {path} is not aligned to its {itemsize}-byte elements and cannot be mapped; "
                 "this safetensors version orders tensors differently. Use zo_offload='cpu' instead."
             )
-        views.append(mapped[base + start : base + stop].view(dtype).view(entry["shape"]))
+        mapped = numpy.memmap(path, dtype=numpy.uint8, mode="r+", offset=base + start, shape=(stop - start,))
+        views.append(torch.from_numpy(mapped).view(dtype).view(entry["shape"]))
     return views
 
 

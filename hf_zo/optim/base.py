@@ -82,6 +82,8 @@ class ZOOptimizer(torch.optim.Optimizer):
         # Set by hf_zo.parallel on a (dp, pertp) mesh: splits the estimates over ranks and gathers their records.
         self.parallel = None
         self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
+        # Set by attach_engine: runs the estimates and flushes instead of the sequential estimator (hf_zo.engine).
+        self.engine = None
         self._build_parameters()
 
     # ------------------------------------------------------------------ parameters
@@ -147,7 +149,15 @@ class ZOOptimizer(torch.optim.Optimizer):
         return kept
 
     def _estimate_one(self, closure: Closure, seed: int) -> ZORecord | None:
+        if self.engine is not None:
+            return self.engine.estimate(self.params, self.eps, closure, seed)
         return self.estimator.estimate(closure, seed)
+
+    def attach_engine(self, engine) -> None:
+        """Run estimates and flushes with `engine` (e.g. `hf_zo.engine.DualEngine`) instead of the sequential
+        estimator. The engine must implement ``estimate(params, eps, closure, seed)`` and ``flush(params)``."""
+        self.flush()
+        self.engine = engine
 
     def _count_skip(self) -> None:
         self.num_skipped += 1
@@ -204,6 +214,9 @@ class ZOOptimizer(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """Apply any pending (fused, deferred) move so the parameters hold their true values."""
+        if self.engine is not None:
+            self.engine.flush(self.params)
+            return
         self.params.flush()
 
     # ------------------------------------------------------------------ state

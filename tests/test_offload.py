@@ -1,0 +1,180 @@
+"""Offload (ZO2): sequential, dual and dual + offloaded blocks train identically; disk-tier memory is bounded."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
+
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.engine import DualEngine, find_blocks
+from hf_zo.engine.setup import offload_model
+from hf_zo.optim import ZOSGD
+
+from tiny_models import lm_dataset, tiny_causal_lm
+
+ENGINES = {
+    "sequential": dict(zo_engine="sequential"),
+    "dual": dict(zo_engine="dual"),
+    "dual+disk": dict(zo_engine="dual", zo_offload="disk"),
+    "dual+cpu": dict(zo_engine="dual", zo_offload="cpu"),
+}
+
+
+def _args(out, **overrides):
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        zo_eps=1e-3,
+        max_steps=6,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=3,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    values.update(overrides)
+    return ZOConfig(**values)
+
+
+def _model(use_lora, seed=0):
+    model = tiny_causal_lm("opt", seed=seed)
+    if use_lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"]))
+    return model
+
+
+def _train(out, engine, use_lora, resume=None, seed=0):
+    data, eval_data = lm_dataset(24, seed=1), lm_dataset(4, seed=2)
+    hyper = dict(learning_rate=0.05, zo_eps=1e-2) if use_lora else {}
+    trainer = ZOTrainer(
+        model=_model(use_lora, seed=seed),
+        args=_args(out, **hyper, **ENGINES[engine]),
+        train_dataset=data,
+        eval_dataset=eval_data,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [(h["step"], h["loss"], h["projected_grad"]) for h in trainer.state.log_history if "loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return trainer, logs, evals, weights
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_engines_and_offload_train_identically(tmp_path, use_lora):
+    """Same per-step losses, projected gradients, eval losses, checkpoints and final weights, bitwise (fp32, CPU)."""
+    _, logs, evals, weights = _train(tmp_path / "sequential", "sequential", use_lora)
+    assert len(logs) == 6 and len(evals) == 2
+    for engine in ("dual", "dual+disk"):
+        _, other_logs, other_evals, other_weights = _train(tmp_path / engine, engine, use_lora)
+        assert other_logs == logs, engine
+        assert other_evals == evals, engine
+        for name, value in weights.items():
+            assert torch.equal(other_weights[name], value), (engine, name)
+        name = "adapter_model.safetensors" if use_lora else "model.safetensors"
+        with (
+            safe_open(str(tmp_path / "sequential" / "checkpoint-3" / name), "pt") as reference,
+            safe_open(str(tmp_path / engine / "checkpoint-3" / name), "pt") as saved,
+        ):
+            assert set(saved.keys()) == set(reference.keys())
+            for key in reference.keys():
+                assert torch.equal(saved.get_tensor(key), reference.get_tensor(key)), (engine, key)
+
+
+def test_resume_with_pending_update_is_exact(tmp_path):
+    """The checkpoint at step 3 is written while ZO-SGD's update is still pending: resuming reproduces the run."""
+    _, logs, _, weights = _train(tmp_path / "a", "dual+disk", use_lora=False)
+    resumed = tmp_path / "b"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-3", resumed / "checkpoint-3")
+    _, resumed_logs, _, resumed_weights = _train(
+        resumed, "dual+disk", use_lora=False, resume=str(resumed / "checkpoint-3"), seed=7
+    )
+    assert resumed_logs == logs  # steps 1-3 come from the checkpoint's trainer state, 4-6 are recomputed
+    for name, value in weights.items():
+        assert torch.equal(resumed_weights[name], value), name
+
+
+def test_cpu_tier_and_prefetch_depth_do_not_change_results(tmp_path):
+    reference = None
+    for prefetch in (0, 2):
+        model = tiny_causal_lm("llama")
+        offloader = offload_model(model, "cpu", device="cpu", prefetch=prefetch)
+        optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=1)
+        optimizer.attach_engine(DualEngine(model, offloader=offloader))
+        ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        losses = [optimizer.step(lambda: model(input_ids=ids, labels=ids).loss) for _ in range(3)]
+        optimizer.flush()
+        weights = [p.detach().clone() for p in model.parameters()]
+        if reference is None:
+            reference = losses, weights
+            continue
+        assert losses == reference[0]
+        assert all(torch.equal(a, b) for a, b in zip(weights, reference[1]))
+
+
+def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
+    model = _model(use_lora=True)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    offloader = offload_model(model, "disk", directory=str(tmp_path), device="cpu", offload_dtype="bfloat16")
+    written = []
+    store = offloader.transport.store
+    offloader.transport.store = lambda pairs: (written.extend(view for view, _ in pairs), store(pairs))[1]
+    trainable_views = {
+        id(view) for params, views in zip(offloader.params, offloader.views) for p, view in zip(params, views)
+        if p.requires_grad
+    }
+    optimizer = ZOSGD([p for p in model.parameters() if p.requires_grad], lr=0.1, eps=1e-2, seed=1)
+    optimizer.attach_engine(DualEngine(model, offloader=offloader))
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)
+    optimizer.flush()
+    assert written and all(id(view) in trainable_views for view in written)
+    with safe_open(os.path.join(str(tmp_path), "block_00000.safetensors"), "pt") as stored:
+        dtypes = {key: stored.get_tensor(key).dtype for key in stored.keys()}
+    assert {d for k, d in dtypes.items() if "lora_" not in k} == {torch.bfloat16}
+    assert {d for k, d in dtypes.items() if "lora_" in k} == {torch.float32}
+    in_blocks = {id(p) for block in find_blocks(model) for p in block.parameters()}
+    for name, param in model.named_parameters():
+        if name in frozen_before and id(param) in in_blocks:  # at rest: the stored bf16 copy, never rewritten
+            assert torch.equal(param.detach(), frozen_before[name].to(torch.bfloat16)), name
+
+
+def test_plain_forward_streams_blocks_and_matches_resident(tmp_path):
+    resident = tiny_causal_lm("gpt2").eval()
+    offloaded = tiny_causal_lm("gpt2").eval()
+    offloader = offload_model(offloaded, "disk", directory=str(tmp_path), device="cpu", prefetch=1)
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = resident(input_ids=ids).logits, offloaded(input_ids=ids).logits
+    assert torch.equal(expected, got)
+    assert not offloader._resident and not offloader._in_flight
+    block_param = next(find_blocks(offloaded)[0].parameters())
+    assert block_param.untyped_storage().nbytes() == block_param.nbytes  # at rest: its own file-backed map
+
+
+def test_offload_config_errors():
+    with pytest.raises(ValueError, match="zo_offload='disk' needs zo_engine='dual'"):
+        ZOConfig(output_dir="x", zo_offload="disk")
+    with pytest.raises(ValueError, match="needs zo_optimizer='zo_sgd'"):
+        ZOConfig(output_dir="x", zo_engine="dual", zo_offload="cpu", zo_optimizer="zo_adam")
+    with pytest.raises(ValueError, match="Unknown zo_offload 'gpu'"):
+        ZOConfig(output_dir="x", zo_engine="dual", zo_offload="gpu")
+    with pytest.raises(ValueError, match="zo_offload_prefetch must be an integer >= 0"):
+        ZOConfig(output_dir="x", zo_engine="dual", zo_offload="disk", zo_offload_prefetch=-1)
+    with pytest.raises(ValueError, match="Unknown zo_offload_dtype 'int8'"):
+        ZOConfig(output_dir="x", zo_engine="dual", zo_offload="disk", zo_offload_dtype="int8")
+    with pytest.raises(ValueError, match="zo_offload_dir='d' is set but zo_offload is None"):
+        ZOConfig(output_dir="x", zo_offload_dir="d")
