@@ -1,0 +1,87 @@
+"""`ZOTrajectoryCallback`: how `ZOTrainer` records a run's trajectory, across checkpoints and resumes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+from ..optim import ZOOptimizer
+from .format import TRAJECTORY_NAME, ZOTrajectory
+
+logger = logging.get_logger(__name__)
+
+
+class ZOTrajectoryCallback(TrainerCallback):
+    """Records the trajectory of a `ZOTrainer` run; `ZOTrainer` adds it and saves its trajectory with the model.
+
+    On a resumed run it continues the trajectory saved in the checkpoint (set `resume_from` before training), so the
+    trajectory of a resumed run is the whole run.
+
+    Attributes:
+        trajectory (`ZOTrajectory`): the trajectory being recorded, once training has begun.
+        resume_from (`str`): the checkpoint folder training resumes from, if any.
+    """
+
+    def __init__(self):
+        self.trajectory: ZOTrajectory | None = None
+        self.resume_from: str | None = None
+        self._handle = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        while optimizer is not None and not isinstance(optimizer, ZOOptimizer):
+            optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None or model is None:
+            return
+        if self._handle is not None:
+            self._handle.remove()
+        if self.trajectory is None or self.trajectory.next_step != optimizer.zo_step:
+            self.trajectory = self._resumed_trajectory(optimizer) or ZOTrajectory.start(model, optimizer)
+        recorded = {p["name"] for p in self.trajectory.header["parameters"]}
+        others = [n for n, p in model.named_parameters() if p.requires_grad and n not in recorded]
+        if others:
+            logger.warning(
+                "%d trainable parameters (%s, ...) are not updated by the ZO optimizer; the trajectory does not cover "
+                "them and a replay keeps their base values.",
+                len(others),
+                others[0],
+            )
+        self._handle = self.trajectory.attach(optimizer)
+
+    def _resumed_trajectory(self, optimizer: ZOOptimizer) -> ZOTrajectory | None:
+        if self.resume_from is None:
+            return None
+        path = Path(self.resume_from) / TRAJECTORY_NAME
+        if not path.is_file():
+            logger.warning(
+                "Checkpoint %s has no %s: the trajectory starts at step %d from the checkpoint's weights.",
+                self.resume_from,
+                TRAJECTORY_NAME,
+                optimizer.zo_step,
+            )
+            return None
+        trajectory = ZOTrajectory.load(path)
+        if trajectory.next_step != optimizer.zo_step:
+            logger.warning(
+                "%s ends before step %d but the optimizer resumes at step %d: starting a new trajectory there.",
+                path,
+                trajectory.next_step,
+                optimizer.zo_step,
+            )
+            return None
+        trajectory.header["checksums"]["end"] = None
+        return trajectory
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def save(self, output_dir: str | os.PathLike, model: torch.nn.Module) -> Path | None:
+        """Write the trajectory, with the end checksum of `model` (flushed), into `output_dir`, if recording."""
+        if self.trajectory is None:
+            return None
+        return self.trajectory.save(output_dir, model)

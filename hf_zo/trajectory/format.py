@@ -1,0 +1,518 @@
+"""`ZOTrajectory`: the steps of a ZO run as seeds and scalars, and their file format.
+
+File format (``zo_trajectory.bin``, version 1, little-endian)::
+
+    magic "HFZOTRAJ" | u32 format version | u32 header bytes H | u64 body bytes B
+    header: H bytes of UTF-8 JSON (see :meth:`ZOTrajectory.start`)
+    body: B bytes, one record per optimizer step:
+        u8 flags (bit 0: lrs follow, bit 1: weight decays follow; set when they change) | u32 estimates n
+        [f64 lr per param group] [f64 weight decay per param group]
+        n x (u64 seed, f64 projected gradient; NaN marks an estimate skipped for a non-finite loss)
+    SHA-256 of everything above (32 bytes): detects corruption and truncation.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+from ..estimator import ZORecord
+from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
+
+logger = logging.get_logger(__name__)
+
+TRAJECTORY_NAME = "zo_trajectory.bin"
+"""File name of a trajectory inside a checkpoint or output folder."""
+
+FORMAT_VERSION = 1
+"""Version of the file format written by this release."""
+
+_MAGIC = b"HFZOTRAJ"
+_PREAMBLE = struct.Struct("<8sIIQ")
+_STEP_HEAD = struct.Struct("<BI")
+_ESTIMATE = struct.Struct("<Qd")
+_DIGEST_BYTES = 32
+_LRS_FOLLOW, _WDS_FOLLOW = 1, 2
+_STATELESS = (ZOSGD, ZOSGDSign)
+
+
+class TrajectoryFormatError(ValueError):
+    """A trajectory file is not one, is truncated or corrupted, or was written by a newer hf_zo."""
+
+
+class TrajectoryMismatchError(ValueError):
+    """A model's trainable parameters do not match those a trajectory was recorded on or ended with."""
+
+
+@dataclass(frozen=True)
+class ZOTrajectoryStep:
+    """One optimizer step of a trajectory.
+
+    Attributes:
+        step (`int`): the optimizer step (`ZOOptimizer.zo_step`) it was.
+        seeds (`tuple[int, ...]`): seeds of its estimates, in the order they ran.
+        projected_grads (`tuple[float, ...]`): projected gradient of each estimate; NaN where it was skipped.
+        lrs (`tuple[float, ...]`): learning rate of each parameter group.
+        weight_decays (`tuple[float, ...]`): weight decay of each parameter group.
+    """
+
+    step: int
+    seeds: tuple[int, ...]
+    projected_grads: tuple[float, ...]
+    lrs: tuple[float, ...]
+    weight_decays: tuple[float, ...]
+
+    @property
+    def records(self) -> list[ZORecord]:
+        """The records the update used (losses are not recorded and read NaN)."""
+        return [
+            ZORecord(seed, grad, math.nan, math.nan)
+            for seed, grad in zip(self.seeds, self.projected_grads)
+            if not math.isnan(grad)
+        ]
+
+
+class ZOTrajectory:
+    """The (seed, projected gradient, lr, weight decay) log of a ZO run: save, load, inspect, replay.
+
+    Build one with :meth:`start` (which `ZOTrainer` does for you), :meth:`load` or :meth:`from_pretrained`.
+
+    Args:
+        header (`dict`): the JSON header (base model, optimizer, parameters, checksums).
+        body (`bytes`, *optional*): the encoded steps.
+    """
+
+    def __init__(self, header: dict, body: bytes = b""):
+        self.header = header
+        self._body = bytearray(body)
+        self._num_steps = 0
+        self._last = (None, None)
+        for step in self.steps():
+            self._num_steps += 1
+            self._last = (step.lrs, step.weight_decays)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def start(cls, model: torch.nn.Module, optimizer: ZOOptimizer) -> ZOTrajectory:
+        """Begin the trajectory of `optimizer` training `model`, from the model's current weights.
+
+        Args:
+            model (`torch.nn.Module`): the model (or PEFT model) whose parameters `optimizer` updates.
+            optimizer (`ZOOptimizer`): the optimizer, before its next step.
+
+        Returns:
+            `ZOTrajectory`: an empty trajectory whose header records the base model, the optimizer and a checksum
+            of the trainable parameters; attach it with :meth:`attach`.
+        """
+        names = {id(p): name for name, p in model.named_parameters()}
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        parameters, named = [], {}
+        for index, tensor in optimizer.params.tensors:
+            if id(tensor) not in names:
+                raise ValueError(
+                    f"The optimizer updates a tensor of shape {tuple(tensor.shape)} (noise index {index}) that is not "
+                    f"a parameter of {type(model).__name__}; build the optimizer over model.parameters()."
+                )
+            name = names[id(tensor)]
+            named[name] = tensor
+            parameters.append(
+                {
+                    "name": name,
+                    "index": index,
+                    "group": group_of[id(tensor)],
+                    "shape": list(tensor.shape),
+                    "dtype": _dtype_name(tensor.dtype),
+                }
+            )
+        noise = optimizer.noise
+        header = {
+            "format": "hf-zo-trajectory",
+            "format_version": FORMAT_VERSION,
+            "versions": {"hf_zo": _version("hf-zo"), "torch": torch.__version__},
+            "base_model": _describe_model(model),
+            "optimizer": {
+                "name": next((k for k, c in ZO_OPTIMIZERS.items() if c is type(optimizer)), None),
+                "class": type(optimizer).__name__,
+                "eps": optimizer.eps,
+                "num_perturbations": optimizer.num_perturbations,
+                "seed": optimizer.seed,
+                "noise": {
+                    "distribution": noise.distribution,
+                    "table_numel": noise.table_numel,
+                    "table_seed": noise.table_seed,
+                },
+                "defaults": _to_json(optimizer.defaults),
+            },
+            "param_groups": [
+                _to_json({k: v for k, v in group.items() if k not in ("params", "indices")})
+                for group in optimizer.param_groups
+            ],
+            "parameters": parameters,
+            "device_type": optimizer.params.tensors[0][1].device.type,
+            "first_step": optimizer.zo_step,
+            "checksums": {"start": checksum(named), "end": None},
+        }
+        return cls(header)
+
+    def attach(self, optimizer: ZOOptimizer):
+        """Append every future step of `optimizer` to this trajectory.
+
+        Returns:
+            `torch.utils.hooks.RemovableHandle`: call `remove()` to stop recording.
+        """
+        return optimizer.register_update_hook(self.record_update)
+
+    def record_update(self, optimizer: ZOOptimizer, step: int, seeds: list[int], records: list[ZORecord]) -> None:
+        """The update hook (see `ZOOptimizer.register_update_hook`): append the step just applied."""
+        grads = {r.seed: r.projected_grad for r in records}
+        known = set(seeds)
+        seeds = list(seeds) + [r.seed for r in records if r.seed not in known]
+        self.append(
+            ZOTrajectoryStep(
+                step=step,
+                seeds=tuple(seeds),
+                projected_grads=tuple(float(grads.get(seed, math.nan)) for seed in seeds),
+                lrs=tuple(float(group["lr"]) for group in optimizer.param_groups),
+                weight_decays=tuple(float(group["weight_decay"]) for group in optimizer.param_groups),
+            )
+        )
+
+    def append(self, step: ZOTrajectoryStep) -> None:
+        """Append one step; it must be the step that follows the last one."""
+        if step.step != self.next_step:
+            raise ValueError(
+                f"Cannot append optimizer step {step.step} to a trajectory that ends before step {self.next_step}: "
+                "a trajectory holds consecutive steps of one optimizer."
+            )
+        if not len(step.lrs) == len(step.weight_decays) == self.num_groups:
+            raise ValueError(
+                f"The trajectory has {self.num_groups} parameter groups, but step {step.step} has "
+                f"{len(step.lrs)} lrs and {len(step.weight_decays)} weight decays."
+            )
+        last_lrs, last_wds = self._last
+        flags = (_LRS_FOLLOW if step.lrs != last_lrs else 0) | (_WDS_FOLLOW if step.weight_decays != last_wds else 0)
+        encoded = bytearray(_STEP_HEAD.pack(flags, len(step.seeds)))
+        groups = struct.Struct(f"<{self.num_groups}d")
+        if flags & _LRS_FOLLOW:
+            encoded += groups.pack(*step.lrs)
+        if flags & _WDS_FOLLOW:
+            encoded += groups.pack(*step.weight_decays)
+        for seed, grad in zip(step.seeds, step.projected_grads):
+            encoded += _ESTIMATE.pack(seed, grad)
+        self._body += encoded
+        self._num_steps += 1
+        self._last = (step.lrs, step.weight_decays)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def num_groups(self) -> int:
+        """Number of parameter groups of the recorded optimizer."""
+        return len(self.header["param_groups"])
+
+    @property
+    def first_step(self) -> int:
+        """Optimizer step at which the trajectory starts (0 unless recording began on a resumed run)."""
+        return int(self.header["first_step"])
+
+    @property
+    def next_step(self) -> int:
+        """The optimizer step that would come next: `first_step` plus the number of steps."""
+        return self.first_step + self._num_steps
+
+    @property
+    def body_bytes(self) -> int:
+        """Size of the encoded steps in bytes (the file adds the header, a 24-byte preamble and a 32-byte digest)."""
+        return len(self._body)
+
+    def __len__(self) -> int:
+        return self._num_steps
+
+    def steps(self) -> Iterator[ZOTrajectoryStep]:
+        """Decode the steps, in order."""
+        body, offset, step = self._body, 0, self.first_step
+        groups = struct.Struct(f"<{self.num_groups}d")
+        lrs = wds = None
+        try:
+            while offset < len(body):
+                flags, count = _STEP_HEAD.unpack_from(body, offset)
+                offset += _STEP_HEAD.size
+                if flags & _LRS_FOLLOW:
+                    lrs = groups.unpack_from(body, offset)
+                    offset += groups.size
+                if flags & _WDS_FOLLOW:
+                    wds = groups.unpack_from(body, offset)
+                    offset += groups.size
+                if lrs is None or wds is None or flags & ~(_LRS_FOLLOW | _WDS_FOLLOW):
+                    raise TrajectoryFormatError(f"Malformed trajectory body: bad flags {flags} at step {step}.")
+                estimates = [_ESTIMATE.unpack_from(body, offset + k * _ESTIMATE.size) for k in range(count)]
+                offset += count * _ESTIMATE.size
+                yield ZOTrajectoryStep(
+                    step, tuple(s for s, _ in estimates), tuple(g for _, g in estimates), tuple(lrs), tuple(wds)
+                )
+                step += 1
+        except struct.error as error:
+            raise TrajectoryFormatError(f"Malformed trajectory body at step {step}: {error}.") from error
+
+    # ------------------------------------------------------------------ files
+
+    def to_bytes(self) -> bytes:
+        """The trajectory as the bytes of a ``zo_trajectory.bin`` file."""
+        header = dict(self.header, num_steps=self._num_steps)
+        header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
+        data = _PREAMBLE.pack(_MAGIC, FORMAT_VERSION, len(header_bytes), len(self._body)) + header_bytes
+        data += bytes(self._body)
+        return data + hashlib.sha256(data).digest()
+
+    def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> Path:
+        """Write the trajectory (atomically: a reader never sees half a file).
+
+        Args:
+            path (`str` or `os.PathLike`): a file, or an existing folder to write ``zo_trajectory.bin`` into.
+            model (`torch.nn.Module`, *optional*):
+                The trained model, holding its true (flushed) weights: their checksum becomes the ``end`` checksum
+                that :func:`replay` checks its result against.
+
+        Returns:
+            `Path`: the file written.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / TRAJECTORY_NAME
+        if model is not None:
+            end = checksum(trajectory_tensors(model, self.header))
+            self.header["checksums"]["end"] = dict(end, step=self.next_step)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_bytes(self.to_bytes())
+        os.replace(partial, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ZOTrajectory:
+        """Read a trajectory file (or the ``zo_trajectory.bin`` of a folder), checking it is whole and intact.
+
+        Raises:
+            `TrajectoryFormatError`: the file is not a trajectory, is truncated or corrupted, or is too new.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / TRAJECTORY_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"No trajectory at {path}: ZOTrainer writes {TRAJECTORY_NAME} with each save.")
+        return cls.from_bytes(path.read_bytes(), source=str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "the trajectory") -> ZOTrajectory:
+        """Decode the bytes of a trajectory file; `source` names it in errors."""
+        retry = "Copy or download it again, or use the trajectory of an earlier checkpoint."
+        if not _MAGIC.startswith(data[: len(_MAGIC)]):
+            raise TrajectoryFormatError(
+                f"{source} is not an hf-zo trajectory (it starts with {data[:8]!r}, not {_MAGIC!r})."
+            )
+        if len(data) < _PREAMBLE.size:
+            raise TrajectoryFormatError(f"{source} is truncated: it has only {len(data)} bytes. {retry}")
+        _, version, header_size, body_size = _PREAMBLE.unpack_from(data)
+        if version > FORMAT_VERSION:
+            raise TrajectoryFormatError(
+                f"{source} has format version {version}, newer than this hf_zo reads ({FORMAT_VERSION}); upgrade "
+                "with `pip install -U hf-zo`."
+            )
+        expected = _PREAMBLE.size + header_size + body_size + _DIGEST_BYTES
+        if len(data) != expected:
+            state = "truncated" if len(data) < expected else "corrupted (it has trailing bytes)"
+            raise TrajectoryFormatError(
+                f"{source} is {state}: its preamble declares {expected} bytes but it has {len(data)}. {retry}"
+            )
+        if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
+            raise TrajectoryFormatError(
+                f"{source} is corrupted: its SHA-256 checksum does not match its content (a changed byte or a bad "
+                f"copy). {retry}"
+            )
+        header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + header_size].decode("utf-8"))
+        trajectory = cls(header, data[_PREAMBLE.size + header_size : -_DIGEST_BYTES])
+        if len(trajectory) != header["num_steps"]:
+            raise TrajectoryFormatError(
+                f"{source} is corrupted: its header declares {header['num_steps']} steps but its body holds "
+                f"{len(trajectory)}. {retry}"
+            )
+        return trajectory
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo_id: str | os.PathLike, revision: str | None = None, token: str | bool | None = None
+    ) -> ZOTrajectory:
+        """Load a trajectory from a local file or folder, or from a Hub repository (see `push_trajectory_to_hub`).
+
+        Args:
+            path_or_repo_id (`str` or `os.PathLike`): a file, a folder holding ``zo_trajectory.bin``, or a repo id.
+            revision (`str`, *optional*): the Hub revision (branch, tag or commit).
+            token (`str` or `bool`, *optional*): the Hub token, for private repositories.
+        """
+        if os.path.exists(path_or_repo_id):
+            return cls.load(path_or_repo_id)
+        from huggingface_hub import hf_hub_download
+
+        return cls.load(hf_hub_download(str(path_or_repo_id), TRAJECTORY_NAME, revision=revision, token=token))
+
+    # ------------------------------------------------------------------ checks
+
+    def verify(self, model: torch.nn.Module, stage: str = "start") -> None:
+        """Check that `model`'s trainable parameters are bitwise those the run started from (or ended with).
+
+        Args:
+            model (`torch.nn.Module`): the model, with the parameter names of the recorded run.
+            stage (`str`, defaults to `"start"`): `"start"` (the base weights) or `"end"` (the trained weights).
+
+        Raises:
+            `TrajectoryMismatchError`: naming the parameters that differ and what to load instead.
+        """
+        if stage not in ("start", "end"):
+            raise ValueError(f"stage must be 'start' or 'end', got {stage!r}.")
+        expected = self.header["checksums"][stage]
+        if expected is None:
+            raise ValueError(
+                "This trajectory has no 'end' checksum: it was saved without the trained model (ZOTrainer.save_model "
+                "adds one)."
+            )
+        actual = checksum(trajectory_tensors(model, self.header))
+        if actual["sha256"] == expected["sha256"]:
+            return
+        names = [parameter["name"] for parameter in self.header["parameters"]]
+        differ = [name for name in names if actual["parameters"][name] != expected["parameters"].get(name)]
+        listed = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        if stage == "end":
+            raise TrajectoryMismatchError(
+                f"The replayed weights differ from the trained ones in {len(differ)} of {len(expected['parameters'])} "
+                f"parameters ({listed}). Bitwise replay needs the device type of the run "
+                f"({self.header['device_type']!r}) and the same torch and hf_zo versions "
+                f"({self.header['versions']})."
+            )
+        base = self.header["base_model"]
+        load = f"{base['name_or_path']!r} (revision {base['revision']!r})" if base["name_or_path"] else "the weights"
+        load += " the run started from"
+        if base["peft"]:
+            load += " with the initial adapter of the run"
+        raise TrajectoryMismatchError(
+            f"This model is not the base the trajectory was recorded on: {len(differ)} of "
+            f"{len(expected['parameters'])} trainable parameters differ ({listed}). Load {load}, or pass "
+            "verify=False to replay anyway (the result will not match the trained weights)."
+        )
+
+    def replayable(self) -> str | None:
+        """`None` if :func:`replay` can rebuild the run, else the reason it cannot."""
+        spec = self.header["optimizer"]
+        cls = optimizer_class(spec["class"])
+        if cls is None:
+            return f"its optimizer {spec['class']} is not one of hf_zo.ZO_OPTIMIZERS"
+        if issubclass(cls, ZOSGDConservative):
+            return f"{spec['class']} picks each update by evaluating the training loss, which is not recorded"
+        if self.first_step > 0 and not issubclass(cls, _STATELESS):
+            return (
+                f"it starts at step {self.first_step} and {spec['class']}'s state (moments, momentum) at that step is "
+                "not recorded"
+            )
+        return None
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def optimizer_class(name: str) -> type[ZOOptimizer] | None:
+    """The class of `hf_zo.ZO_OPTIMIZERS` named `name`, or `None`."""
+    return next((cls for cls in ZO_OPTIMIZERS.values() if cls.__name__ == name), None)
+
+
+def trajectory_tensors(model: torch.nn.Module, header: dict) -> dict[str, torch.Tensor]:
+    """The recorded parameters of `model` by name, checked for presence, shape and dtype."""
+    named = dict(model.named_parameters())
+    tensors = {}
+    for parameter in header["parameters"]:
+        name, tensor = parameter["name"], named.get(parameter["name"])
+        if tensor is None:
+            hint = (
+                " The run trained a PEFT adapter: load it with PeftModel.from_pretrained(base, initial_adapter, "
+                "is_trainable=True)."
+                if header["base_model"]["peft"]
+                else f" Load the recorded base model, {header['base_model']['name_or_path']!r}."
+            )
+            raise TrajectoryMismatchError(f"The model has no parameter {name!r}, which the trajectory updates.{hint}")
+        if list(tensor.shape) != parameter["shape"] or _dtype_name(tensor.dtype) != parameter["dtype"]:
+            raise TrajectoryMismatchError(
+                f"Parameter {name!r} is {_dtype_name(tensor.dtype)} {list(tensor.shape)} in this model but was "
+                f"{parameter['dtype']} {parameter['shape']} in the recorded run; load the base model with "
+                f"dtype={parameter['dtype']}."
+            )
+        tensors[name] = tensor
+    return tensors
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> dict:
+    """SHA-256 of each tensor's bytes (first 16 hex digits) and of all of them, in the given order."""
+    digests, total = {}, hashlib.sha256()
+    for name, tensor in tensors.items():
+        flat = tensor.detach().contiguous().view(-1).cpu()
+        digest = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        digests[name] = digest
+        total.update(f"{name}:{digest}\n".encode())
+    return {"sha256": total.hexdigest(), "parameters": digests}
+
+
+def _describe_model(model: torch.nn.Module) -> dict:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    peft = None
+    if hasattr(model, "peft_config") and hasattr(model, "active_adapter"):
+        adapter = model.peft_config[model.active_adapter]
+        peft = _to_json(adapter.to_dict())
+    return {
+        "name_or_path": getattr(config, "_name_or_path", None) or None,
+        "revision": getattr(config, "_commit_hash", None),
+        "model_class": type(base).__name__,
+        "dtype": _dtype_name(base.dtype) if isinstance(getattr(base, "dtype", None), torch.dtype) else None,
+        "peft": peft,
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _to_json(value):
+    """`value` with tuples and sets as lists, tensors and enums as numbers and strings: JSON-serializable."""
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_to_json(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, enum.Enum):
+        return _to_json(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def from_json(value: dict) -> dict:
+    """Hyper-parameters read back from JSON: lists (e.g. Adam's betas) as tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
