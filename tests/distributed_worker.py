@@ -1,6 +1,7 @@
 """The program that `tests/test_distributed.py` launches with `torchrun` / `accelerate launch` (or plain `python`).
 
-Usage: ``python tests/distributed_worker.py SCENARIO OUT_DIR``. Each rank trains tiny models with `ZOTrainer` and
+Usage: ``python tests/distributed_worker.py SCENARIO OUT_DIR``; the single-process ``reference`` scenario is also
+run in the test process itself (`run_scenario`). Each rank trains tiny models with `ZOTrainer` and
 writes ``OUT_DIR/rank{rank}.pt``: the trainable parameters after each run, the bytes its ZO collectives sent per
 optimizer step, and the checkpoint files it opened for writing. The test compares these across ranks, layouts and
 against a single-process reference.
@@ -121,9 +122,8 @@ def train(
     return {"params": params, "bytes_per_step": stats["bytes_sent"] / done, "calls_per_step": stats["calls"] / done}
 
 
-def main(scenario: str, out: Path) -> None:
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
+def run_scenario(scenario: str, out: Path) -> dict:
+    """Run the trainings of `scenario` on this rank; return ``{run name: results}``."""
     rank = int(os.environ.get("RANK", "0"))
     runs = {}
     if scenario == "pertp2":
@@ -145,7 +145,14 @@ def main(scenario: str, out: Path) -> None:
         train(out, "hang", tiny_causal_lm("opt"), callbacks=[HangAtStep(1)] if rank == 1 else None)
     else:
         raise ValueError(f"Unknown scenario {scenario!r}.")
-    with open(out / f"rank{rank}.pt", "wb") as f:
+    return runs
+
+
+def main(scenario: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    runs = run_scenario(scenario, out)
+    with open(out / f"rank{os.environ.get('RANK', '0')}.pt", "wb") as f:
         torch.save({"runs": runs, "writes": WRITES}, f)
 
 

@@ -61,6 +61,13 @@ class ParallelEstimation:
 
         Returns the records of this rank's micro-batch (identical on the ranks of its PertP group).
         """
+        if getattr(optimizer, "engine", None) is not None:
+            raise ValueError(
+                "The dual engine and offload (zo_engine='dual', zo_offload) are not combined with a multi-process "
+                f"layout yet ({self.mesh.dp_size} x {self.mesh.pertp_size} processes): every rank must replay the "
+                "other ranks' perturbation sweeps, which only the sequential schedule does. Use "
+                "zo_engine='sequential' or a single process."
+            )
         q, dp = optimizer.num_perturbations, self.mesh.dp_size
         micro_batch = optimizer._num_estimates // q
         optimizer._num_estimates += q

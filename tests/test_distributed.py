@@ -1,0 +1,224 @@
+"""DistZO2 layouts on gloo: perturbation parallelism, ZO data parallelism and both, launched with the real launchers.
+
+Each multi-process scenario is one launch of `tests/distributed_worker.py` (module-scoped fixtures), shared by the
+assertions below; every process runs one intra-op thread, so a forward gives the same bits in every layout and all
+comparisons are bitwise (no tolerance). Run with ``pytest tests/test_distributed.py -m multiprocess``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed_worker
+import pytest
+import torch
+
+from hf_zo import ZOConfig
+from hf_zo.optim import ZOSGD
+from hf_zo.parallel import DistZOPlugin, ZOMesh
+from hf_zo.parallel.estimation import ParallelEstimation
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed_worker.py"
+BIN = Path(sys.executable).parent
+LAUNCH_TIMEOUT = 300
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_ZO_")}
+    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **extra)
+    return env
+
+
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def _launch(command: list[str], out: Path, world_size: int, **env: str) -> list[dict]:
+    """Run a launch that must succeed and exit cleanly; return each rank's results."""
+    result = _run(command, _env(**env))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "terminate called" not in output, output[-5000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+
+
+def _torchrun(nproc: int, scenario: str, out: Path) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(WORKER), scenario, str(out)]
+
+
+def _assert_bitwise_equal(params: dict, expected: dict) -> None:
+    assert params.keys() == expected.keys()
+    for name, tensor in params.items():
+        assert torch.equal(tensor, expected[name]), f"{name} differs by {(tensor - expected[name]).abs().max()}"
+
+
+# ---------------------------------------------------------------------------------------------------- launches
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """One process (this one, with one intra-op thread like the workers): the runs the layouts must reproduce."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return distributed_worker.run_scenario("reference", tmp_path_factory.mktemp("reference"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pertp2(tmp_path_factory) -> list[dict]:
+    """torchrun, 2 processes, PertP = 2 (set through the plugin's environment variable)."""
+    out = tmp_path_factory.mktemp("pertp2")
+    return _launch(_torchrun(2, "pertp2", out), out, 2, HF_ZO_PERTURBATION_PARALLEL_SIZE="2")
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> list[dict]:
+    """accelerate launch, 2 processes, DP = 2."""
+    out = tmp_path_factory.mktemp("dp2")
+    command = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes=2", "--main_process_port=0"]
+    return _launch([*command, str(WORKER), "dp2", str(out)], out, 2)
+
+
+@pytest.fixture(scope="module")
+def mesh2x2(tmp_path_factory) -> list[dict]:
+    """torchrun, 4 processes, DP = 2 x PertP = 2."""
+    out = tmp_path_factory.mktemp("mesh2x2")
+    return _launch(_torchrun(4, "2x2", out), out, 4, HF_ZO_PERTURBATION_PARALLEL_SIZE="2")
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.multiprocess
+def test_perturbation_parallel_equals_one_process_doing_both_forwards(pertp2, reference):
+    for rank in pertp2:
+        _assert_bitwise_equal(rank["runs"]["full"]["params"], reference["full"]["params"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run, reference_run", [("full", "full_accumulate2"), ("lora", "lora_accumulate2")])
+def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, reference_run):
+    # DP rank r's m-th micro-batch is global micro-batch 2m + r with perturbation index 2m + r: the same seeds,
+    # batches and record order as one process accumulating 2 micro-batches, so no tolerance is needed.
+    for rank in dp2:
+        _assert_bitwise_equal(rank["runs"][run]["params"], reference[reference_run]["params"])
+
+
+@pytest.mark.multiprocess
+def test_2d_mesh_equals_gradient_accumulation_on_every_rank(mesh2x2, reference):
+    for rank in mesh2x2:
+        _assert_bitwise_equal(rank["runs"]["full"]["params"], reference["full_accumulate2"]["params"])
+
+
+@pytest.mark.multiprocess
+def test_training_moved_the_weights(reference):
+    # Guards the equalities above against a run that silently did nothing.
+    moved = reference["full"]["params"]["model.decoder.layers.0.fc1.weight"]
+    moved_more = reference["full_accumulate2"]["params"]["model.decoder.layers.0.fc1.weight"]
+    assert not torch.equal(moved, moved_more)
+
+
+# ---------------------------------------------------------------------------------------------------- communication
+
+
+@pytest.mark.multiprocess
+def test_bytes_per_step_are_scalars_independent_of_model_size(pertp2, dp2, mesh2x2):
+    for rank in pertp2:
+        runs = rank["runs"]
+        # One float64 loss each way per micro-batch, for a 2-layer width-32 and a width-128 model alike.
+        assert runs["full"]["bytes_per_step"] == runs["wide"]["bytes_per_step"] == 8
+        wide_numel = sum(p.numel() for p in runs["wide"]["params"].values())
+        assert wide_numel > 4 * sum(p.numel() for p in runs["full"]["params"].values())
+    for rank in dp2:
+        # The record count (8 bytes), then one (index, seed, g, L+, L-) record of 5 int64 (40 bytes); LoRA alike.
+        assert rank["runs"]["full"]["bytes_per_step"] == rank["runs"]["lora"]["bytes_per_step"] == 48
+        assert rank["runs"]["full"]["calls_per_step"] == 2
+    for rank in mesh2x2:
+        assert rank["runs"]["full"]["bytes_per_step"] == 8 + 48
+        assert rank["runs"]["full"]["calls_per_step"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_are_written_by_the_main_process_only(pertp2):
+    main, other = pertp2[0]["writes"], pertp2[1]["writes"]
+    assert {"config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth"} <= set(main)
+    assert main.count("optimizer.pt") == 2  # checkpoint-2 and checkpoint-4, once each
+    # Each process saves its own RNG state (Trainer's resume contract); nothing else.
+    assert set(other) == {"rng_state_1.pth"}
+
+
+@pytest.mark.multiprocess
+def test_resume_is_exact_in_the_same_layout(pertp2):
+    for rank in pertp2:
+        _assert_bitwise_equal(rank["runs"]["resumed"]["params"], rank["runs"]["full"]["params"])
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.multiprocess
+def test_a_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    result = _run(_torchrun(2, "hang", tmp_path), _env(HF_ZO_PERTURBATION_PARALLEL_SIZE="2", HF_ZO_TIMEOUT="3"))
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "did not answer within 3 s" in output, output[-5000:]
+    assert elapsed < 120  # start-up plus the 3 s bound, not the 600 s the hung rank sleeps
+
+
+# ------------------------------------------------------------------------------------------ plugin (in process)
+
+
+def test_plugin_reads_hf_zo_environment_variables(monkeypatch):
+    monkeypatch.setenv("HF_ZO_PERTURBATION_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("HF_ZO_TIMEOUT", "12")
+    monkeypatch.setenv("HF_ZO_BACKEND", "gloo")
+    plugin = DistZOPlugin()
+    assert (plugin.perturbation_parallel_size, plugin.timeout_seconds, plugin.backend) == (4, 12.0, "gloo")
+    assert DistZOPlugin(perturbation_parallel_size=2).perturbation_parallel_size == 2
+
+
+def test_plugin_from_zo_config_rejects_a_conflicting_environment(monkeypatch, tmp_path):
+    args = ZOConfig(output_dir=str(tmp_path), zo_perturbation_parallel_size=2, ddp_timeout=60)
+    plugin = DistZOPlugin.from_zo_config(args)
+    assert (plugin.perturbation_parallel_size, plugin.timeout_seconds) == (2, 60.0)
+    monkeypatch.setenv("HF_ZO_PERTURBATION_PARALLEL_SIZE", "1")
+    with pytest.raises(ValueError, match="zo_perturbation_parallel_size=2 disagrees with HF_ZO_PERTURBATION"):
+        DistZOPlugin.from_zo_config(args)
+
+
+def test_plugin_rejects_bad_values():
+    with pytest.raises(ValueError, match="perturbation_parallel_size must be an integer >= 1, got 0"):
+        DistZOPlugin(perturbation_parallel_size=0)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        DistZOPlugin(backend="mpi")
+    with pytest.raises(ValueError, match="must divide the 2 \\* zo_num_perturbations = 2"):
+        ZOConfig(output_dir="unused", zo_perturbation_parallel_size=4)
+
+
+def test_single_process_plugin_leaves_the_optimizer_alone(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    optimizer = ZOSGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    plugin = DistZOPlugin()
+    assert plugin.prepare_optimizer(optimizer).parallel is None
+    assert not plugin.is_distributed
+    with pytest.raises(ValueError, match="number of processes \\(1\\) must be a multiple"):
+        DistZOPlugin(perturbation_parallel_size=2).setup()
+
+
+def test_strategy_rejects_a_pertp_size_that_does_not_divide_the_forwards():
+    optimizer = ZOSGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, num_perturbations=1)
+    strategy = ParallelEstimation(ZOMesh(dp_size=1, pertp_size=4), collectives=None)
+    with pytest.raises(ValueError, match="\\(4\\) must divide the 2 signed forwards"):
+        strategy.check(optimizer)
