@@ -2,9 +2,6 @@
 
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -132,7 +129,9 @@ def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
     store = offloader.transport.store
     offloader.transport.store = lambda pairs: (written.extend(view for view, _ in pairs), store(pairs))[1]
     trainable_views = {
-        id(view) for params, views in zip(offloader.params, offloader.views) for p, view in zip(params, views)
+        id(view)
+        for params, views in zip(offloader.params, offloader.views)
+        for p, view in zip(params, views)
         if p.requires_grad
     }
     optimizer = ZOSGD([p for p in model.parameters() if p.requires_grad], lr=0.1, eps=1e-2, seed=1)
