@@ -14,6 +14,7 @@ from hf_zo import (
     TrajectoryFormatError,
     TrajectoryMismatchError,
     ZOConfig,
+    ZOSGDConservative,
     ZOTrainer,
     ZOTrajectory,
     ZOTrajectoryStep,
@@ -174,11 +175,15 @@ def test_verify_names_the_differing_base(tmp_path):
     ZOTrajectory.load(path).verify(model, "end")
 
 
-def test_conservative_optimizer_is_refused_with_reason(tmp_path):
-    base = tiny_causal_lm("opt")
-    _train(copy.deepcopy(base), tmp_path, zo_optimizer="zo_sgd_cons", max_steps=1, save_strategy="no")
+def test_conservative_optimizer_is_refused_with_reason():
+    model = torch.nn.Linear(4, 2)
+    base = copy.deepcopy(model)
+    optimizer = ZOSGDConservative(model.parameters(), lr=0.1)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    optimizer.step(lambda: model.weight.square().sum())
     with pytest.raises(ValueError, match="cannot be replayed: ZOSGDConservative picks each update"):
-        replay(base, tmp_path)
+        replay(base, trajectory)
 
 
 def test_size_of_10000_steps(tmp_path):

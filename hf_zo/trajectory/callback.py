@@ -79,6 +79,10 @@ class ZOTrajectoryCallback(TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        best = state.best_model_checkpoint
+        if args.load_best_model_at_end and best is not None and (Path(best) / TRAJECTORY_NAME).is_file():
+            # Trainer reloaded the best checkpoint's weights: their trajectory is the one that checkpoint holds.
+            self.trajectory = ZOTrajectory.load(Path(best) / TRAJECTORY_NAME)
 
     def save(self, output_dir: str | os.PathLike, model: torch.nn.Module) -> Path | None:
         """Write the trajectory, with the end checksum of `model` (flushed), into `output_dir`, if recording."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from transformers.utils import logging
 
@@ -362,9 +363,9 @@ class ZOTrajectory:
         """
         if os.path.exists(path_or_repo_id):
             return cls.load(path_or_repo_id)
-        from huggingface_hub import hf_hub_download
-
-        return cls.load(hf_hub_download(str(path_or_repo_id), TRAJECTORY_NAME, revision=revision, token=token))
+        return cls.load(
+            huggingface_hub.hf_hub_download(str(path_or_repo_id), TRAJECTORY_NAME, revision=revision, token=token)
+        )
 
     # ------------------------------------------------------------------ checks
 

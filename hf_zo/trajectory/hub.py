@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from huggingface_hub import CommitOperationAdd, HfApi
+
 from .format import TRAJECTORY_NAME, ZOTrajectory
 
 
@@ -11,6 +13,7 @@ def push_trajectory_to_hub(
     repo_id: str,
     trajectory: ZOTrajectory | str | os.PathLike,
     base_model: str | None = None,
+    initial_adapter: str | None = None,
     private: bool | None = None,
     token: str | None = None,
     revision: str | None = None,
@@ -22,6 +25,7 @@ def push_trajectory_to_hub(
         repo_id (`str`): the Hub model repository (created if missing).
         trajectory (`ZOTrajectory` or path): the trajectory, or a file or folder holding one.
         base_model (`str`, *optional*): the base model's Hub id, if the recorded name is a local path.
+        initial_adapter (`str`, *optional*): for a PEFT run, the Hub id or path of the adapter before training.
         private (`bool`, *optional*): whether a created repository is private.
         token (`str`, *optional*): the Hub token.
         revision (`str`, *optional*): the branch to push to.
@@ -30,13 +34,11 @@ def push_trajectory_to_hub(
     Returns:
         `huggingface_hub.CommitInfo`: the commit.
     """
-    from huggingface_hub import CommitOperationAdd, HfApi
-
     if not isinstance(trajectory, ZOTrajectory):
         trajectory = ZOTrajectory.load(trajectory)
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    card = trajectory_model_card(trajectory, repo_id, base_model)
+    card = trajectory_model_card(trajectory, repo_id, base_model, initial_adapter)
     operations = [
         CommitOperationAdd(TRAJECTORY_NAME, trajectory.to_bytes()),
         CommitOperationAdd("README.md", card.encode("utf-8")),
@@ -44,19 +46,33 @@ def push_trajectory_to_hub(
     return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision)
 
 
-def trajectory_model_card(trajectory: ZOTrajectory, repo_id: str, base_model: str | None = None) -> str:
-    """The README of a trajectory repository: what it is and how to rebuild the fine-tuned model from it."""
+def trajectory_model_card(
+    trajectory: ZOTrajectory, repo_id: str, base_model: str | None = None, initial_adapter: str | None = None
+) -> str:
+    """The README of a trajectory repository: what it is and how to rebuild the fine-tuned model from it.
+
+    Args:
+        trajectory (`ZOTrajectory`): the trajectory.
+        repo_id (`str`): the repository it is pushed to.
+        base_model (`str`, *optional*): the base model's Hub id (default: the recorded name).
+        initial_adapter (`str`, *optional*): for a PEFT run, the Hub id or path of the adapter before training.
+    """
     header, base = trajectory.header, trajectory.header["base_model"]
-    base_model = base_model or base["name_or_path"]
-    optimizer = header["optimizer"]
-    size = len(trajectory.to_bytes())
-    peft_note = (
-        f"\nThis run trained a PEFT adapter ({base['peft']['peft_type']}): `BASE` is the folder of the *initial* "
-        "adapter (saved with `model.save_pretrained` before training), whose `adapter_config.json` names the base "
-        "model.\n"
-        if base["peft"]
-        else ""
-    )
+    peft = base["peft"]
+    base_model = base_model or (peft or {}).get("base_model_name_or_path") or base["name_or_path"]
+    optimizer, model_class, dtype = header["optimizer"], base["model_class"], base.get("dtype") or "float32"
+    load = f'{model_class}.from_pretrained("{base_model}", dtype="{dtype}")'
+    if peft:
+        adapter = initial_adapter or "INITIAL_ADAPTER"
+        source, imports = adapter, f"from peft import PeftModel\nfrom transformers import {model_class}"
+        load = f'PeftModel.from_pretrained({load}, "{adapter}", is_trainable=True)'
+        note = (
+            f"\nThis run trained a {peft['peft_type']} adapter, so the replay starts from the adapter *before* "
+            f"training (`{adapter}`: saved with `model.save_pretrained` before `trainer.train()`), whose "
+            "`adapter_config.json` names the base model.\n"
+        )
+    else:
+        source, imports, note = base_model, f"from transformers import {model_class}", ""
     return f"""---
 base_model: {base_model}
 library_name: hf-zo
@@ -68,26 +84,27 @@ tags:
 
 # {repo_id}
 
-This repository holds no weights. It holds the zeroth-order fine-tuning trajectory of
-[{base_model}](https://huggingface.co/{base_model}): {len(trajectory)} optimizer steps of
-`{optimizer["class"]}` stored as seeds and scalars ({size:,} bytes). Replaying it onto the base model regenerates
-every perturbation from its seed and rebuilds the fine-tuned weights, bitwise on a `{header["device_type"]}` device.
+This repository holds no weights: it holds the zeroth-order fine-tuning trajectory of
+[{base_model}](https://huggingface.co/{base_model}), {len(trajectory)} optimizer steps of `{optimizer["class"]}` stored
+as seeds and scalars ({len(trajectory.to_bytes()):,} bytes). Replaying it onto the base model regenerates every
+perturbation from its seed and rebuilds the fine-tuned weights, bitwise on a `{header["device_type"]}` device.
 
 ## Rebuild the fine-tuned model
 
 ```bash
 pip install hf-zo
-hf-zo replay {base_model} {repo_id} ./fine-tuned
+hf-zo replay {source} {repo_id} ./fine-tuned
 ```
-{peft_note}
+{note}
 or in Python:
 
 ```python
-from transformers import AutoModel
+{imports}
 from hf_zo import ZOTrajectory, replay
 
-model = AutoModel.from_pretrained("{base_model}")  # the class of the run: {base["model_class"]}
-replay(model, ZOTrajectory.from_pretrained("{repo_id}"))
+model = {load}
+replay(model, ZOTrajectory.from_pretrained("{repo_id}"), show_progress=True)
+model.save_pretrained("./fine-tuned")
 ```
 
 `replay` checks the base against the recorded checksum first and the result against the checksum of the trained
