@@ -1,0 +1,149 @@
+"""Head options: linear probing and the first-order head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.heads import (
+    FirstOrderHead,
+    collect_head_inputs,
+    find_head_modules,
+    fit_linear_probe,
+    fit_logistic_regression,
+    head_parameter_names,
+    resolve_head_options,
+)
+
+from tiny_models import classification_dataset, tiny_bert_classifier, tiny_causal_lm
+
+
+def batches_of(dataset, size=8):
+    for start in range(0, len(dataset), size):
+        rows = dataset[start : start + size]
+        yield {"labels" if k == "label" else k: torch.tensor(v) for k, v in rows.items()}
+
+
+def lora(model):
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    return get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]))
+
+
+def test_auto_options_apply_to_sequence_classifiers_only():
+    assert resolve_head_options(tiny_bert_classifier(), "auto", "auto") == ("linear_probe", "first_order")
+    assert resolve_head_options(lora(tiny_bert_classifier()), "auto", "auto") == ("linear_probe", "first_order")
+    assert resolve_head_options(tiny_causal_lm("opt"), "auto", "auto") == ("none", "zeroth_order")
+    assert resolve_head_options(tiny_bert_classifier(), "none", "zeroth_order") == ("none", "zeroth_order")
+
+
+def test_find_head_modules_plain_peft_and_by_name():
+    assert list(find_head_modules(tiny_bert_classifier())) == ["classifier"]
+    peft_model = lora(tiny_bert_classifier())
+    found = find_head_modules(peft_model)
+    assert list(found) == ["base_model.model.classifier.modules_to_save.default"]
+    by_name = find_head_modules(peft_model, ["classifier"])
+    assert list(by_name) == ["base_model.model.classifier"]
+    # Only the trainable copy of a modules_to_save head is trained.
+    assert head_parameter_names(peft_model, by_name) == [
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    ]
+    with pytest.raises(ValueError, match="zo_head_modules names 'scorer'"):
+        find_head_modules(peft_model, ["scorer"])
+
+
+def test_logistic_regression_separates_separable_features():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(200, 5, generator=generator) * torch.tensor([1.0, 10.0, 0.1, 3.0, 1.0]) + 4.0
+    labels = (features @ torch.tensor([1.0, -0.2, 5.0, 0.5, 0.0]) > 4.0 * 6.3).long()
+    weight, bias = fit_logistic_regression(features, labels, num_classes=2)
+    assert ((features @ weight.T + bias).argmax(-1) == labels).all()
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_linear_probe_fits_the_head_on_frozen_features(use_peft):
+    """Labels that are a linear function of the head's input are fitted exactly, and only the head changes."""
+    model = tiny_bert_classifier()
+    model = lora(model) if use_peft else model
+    model.eval()
+    head = next(iter(find_head_modules(model).values()))
+    dataset = classification_dataset(24, seed=3)
+    features, _ = collect_head_inputs(model, head, batches_of(dataset))
+    direction = torch.randn(features.shape[1], generator=torch.Generator().manual_seed(1))
+    scores = features @ direction
+    separable = dataset.remove_columns("label").add_column("label", (scores > scores.median()).long().tolist())
+    body = {n: p.clone() for n, p in model.named_parameters() if "classifier" not in n}
+
+    accuracy = fit_linear_probe(model, head, batches_of(separable), l2=1e-5)
+
+    assert accuracy == 1.0
+    with torch.no_grad():
+        predictions = torch.cat([model(input_ids=b["input_ids"]).logits.argmax(-1) for b in batches_of(separable)])
+    assert predictions.tolist() == separable["label"]
+    assert all(torch.equal(p, body[n]) for n, p in model.named_parameters() if n in body)
+
+
+def test_first_order_head_gets_exact_gradients_and_body_none():
+    model = tiny_bert_classifier().eval()
+    batch = next(batches_of(classification_dataset(8)))
+    heads = find_head_modules(model)
+    params = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
+    expected = torch.autograd.grad(model(**batch).loss, params)
+
+    trainer = FirstOrderHead(heads, params, lr=1e-2)
+    with torch.no_grad(), trainer.capture():
+        loss = trainer.backward(model(**batch).loss)
+    assert not loss.requires_grad
+    for p, g in zip(params, expected):
+        torch.testing.assert_close(p.grad, g)
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("classifier."))
+    # Outside capture() the hooks are inert: a no-grad forward builds no graph.
+    with torch.no_grad():
+        assert not model(**batch).loss.requires_grad
+    trainer.close()
+
+
+def run_trainer(model, steps, **options):
+    args = ZOConfig(
+        output_dir="unused",
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        zo_eps=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **options,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    trainer.train()
+    return trainer
+
+
+def test_first_order_head_trains_head_while_body_follows_the_zo_update():
+    """The head leaves the ZO set; the body's ZO update is unchanged (same noise indices and seeds)."""
+    model = tiny_bert_classifier()
+    head_before = model.classifier.weight.clone()
+    trainer = run_trainer(model, 1, zo_head_init="none", zo_head_training="first_order", zo_head_learning_rate=0.1)
+
+    reference = tiny_bert_classifier()
+    reference.classifier.requires_grad_(False)  # last in named_parameters: body indices stay the same
+    run_trainer(reference, 1, zo_head_init="none", zo_head_training="zeroth_order")
+
+    zo_params = {id(p) for _, p in trainer.zo_optimizer.params.tensors}
+    assert id(model.classifier.weight) not in zo_params and id(model.classifier.bias) not in zo_params
+    assert not torch.equal(model.classifier.weight, head_before)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if not name.startswith("classifier."):
+            assert torch.equal(p, q), name
+            assert p.grad is None, name
+
+
+def test_config_rejects_unknown_head_options():
+    with pytest.raises(ValueError, match="Unknown zo_head_init 'probe'"):
+        ZOConfig(output_dir="unused", zo_head_init="probe")
+    with pytest.raises(ValueError, match="zo_head_learning_rate must be > 0, got 0"):
+        ZOConfig(output_dir="unused", zo_head_learning_rate=0)
