@@ -29,6 +29,10 @@ class ZOConfig(TrainingArguments):
         zo_noise (`str`, *optional*, defaults to `"gaussian"`):
             Perturbation distribution: `"gaussian"`, `"rademacher"`, or `"table"` (slices of one pre-generated
             Gaussian table: near-zero generation cost).
+        zo_noise_cache (`bool`, *optional*):
+            Keep each step's noise in memory instead of regenerating it in the next sweeps (memory: a few times the
+            trainable size). Default: on when the trainable parameters are small (at most 4M elements, typical of
+            PEFT), off otherwise.
         zo_seed (`int`, *optional*):
             Base seed of the perturbations (default: `seed`). Every perturbation's seed derives from it and the
             step counter, so replicas, resumes and replays regenerate the same noise without communication.
@@ -44,14 +48,6 @@ class ZOConfig(TrainingArguments):
         zo_max_consecutive_skips (`int`, *optional*, defaults to `10`):
             Estimates with a non-finite loss are skipped (parameters restored, warning logged); after this many in a
             row training stops with an error naming the step.
-
-    Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
-
-        zo_perturbation_parallel_size (`int`, *optional*, defaults to `1`):
-            Processes per perturbation-parallel group: they see the same batch and split its `2 * zo_num_perturbations`
-            signed forwards (so it must divide that number); the launched processes form `processes / p` data-parallel
-            groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
-            the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
 
     Parameters that control the classification head (a new head is where ZO struggles most):
 
@@ -71,6 +67,14 @@ class ZOConfig(TrainingArguments):
             AdamW learning rate of the first-order head (constant).
         zo_head_init_max_samples (`int`, *optional*, defaults to `4096`):
             Training examples the linear probe is fitted on (one forward pass each).
+
+    Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
+
+        zo_perturbation_parallel_size (`int`, *optional*, defaults to `1`):
+            Processes per perturbation-parallel group: they see the same batch and split its `2 * zo_num_perturbations`
+            signed forwards (so it must divide that number); the launched processes form `processes / p` data-parallel
+            groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
+            the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
 
     Parameters that control the execution engine and offload (ZO2):
 
@@ -110,14 +114,14 @@ class ZOConfig(TrainingArguments):
     zo_noise: str = field(
         default="gaussian", metadata={"help": "Noise distribution.", "choices": list(NOISE_DISTRIBUTIONS)}
     )
+    zo_noise_cache: bool | None = field(
+        default=None, metadata={"help": "Cache each step's noise (default: on for small trainable sets)."}
+    )
     zo_seed: int | None = field(default=None, metadata={"help": "Base seed of the perturbations (default: seed)."})
     zo_optimizer: str = field(default="zo_sgd", metadata={"help": "ZO optimizer.", "choices": list(ZO_OPTIMIZERS)})
     zo_momentum: float = field(default=0.9, metadata={"help": "Momentum of zo_sgd_momentum."})
     zo_max_consecutive_skips: int = field(
         default=10, metadata={"help": "Stop after this many consecutive non-finite losses."}
-    )
-    zo_perturbation_parallel_size: int = field(
-        default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
     )
     zo_head_init: str = field(
         default="auto", metadata={"help": "Head initialisation before ZO.", "choices": list(HEAD_INIT_CHOICES)}
@@ -129,6 +133,9 @@ class ZOConfig(TrainingArguments):
     zo_head_learning_rate: float = field(default=1e-3, metadata={"help": "AdamW lr of the first-order head."})
     zo_head_init_max_samples: int | None = field(
         default=4096, metadata={"help": "Training examples the linear probe is fitted on."}
+    )
+    zo_perturbation_parallel_size: int = field(
+        default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
     )
     zo_engine: str = field(
         default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
@@ -200,16 +207,6 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
         if not 0.0 <= self.zo_momentum < 1.0:
             raise ValueError(f"zo_momentum must be in [0, 1), got {self.zo_momentum!r}.")
-        if not isinstance(self.zo_perturbation_parallel_size, int) or self.zo_perturbation_parallel_size < 1:
-            raise ValueError(
-                f"zo_perturbation_parallel_size must be an integer >= 1, got {self.zo_perturbation_parallel_size!r}."
-            )
-        if (2 * self.zo_num_perturbations) % self.zo_perturbation_parallel_size:
-            raise ValueError(
-                f"zo_perturbation_parallel_size ({self.zo_perturbation_parallel_size}) must divide the "
-                f"2 * zo_num_perturbations = {2 * self.zo_num_perturbations} signed forwards of a micro-batch; raise "
-                "zo_num_perturbations or use a divisor."
-            )
         if self.zo_head_init not in HEAD_INIT_CHOICES:
             raise ValueError(f"Unknown zo_head_init {self.zo_head_init!r}; choose one of {list(HEAD_INIT_CHOICES)}.")
         if self.zo_head_training not in HEAD_TRAINING_CHOICES:
@@ -220,6 +217,16 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_head_learning_rate must be > 0, got {self.zo_head_learning_rate!r}.")
         if self.zo_head_init_max_samples is not None and self.zo_head_init_max_samples < 1:
             raise ValueError(f"zo_head_init_max_samples must be >= 1 or None, got {self.zo_head_init_max_samples!r}.")
+        if not isinstance(self.zo_perturbation_parallel_size, int) or self.zo_perturbation_parallel_size < 1:
+            raise ValueError(
+                f"zo_perturbation_parallel_size must be an integer >= 1, got {self.zo_perturbation_parallel_size!r}."
+            )
+        if (2 * self.zo_num_perturbations) % self.zo_perturbation_parallel_size:
+            raise ValueError(
+                f"zo_perturbation_parallel_size ({self.zo_perturbation_parallel_size}) must divide the "
+                f"2 * zo_num_perturbations = {2 * self.zo_num_perturbations} signed forwards of a micro-batch; raise "
+                "zo_num_perturbations or use a divisor."
+            )
         if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."

@@ -115,3 +115,19 @@ def test_load_state_dict_rejects_other_optimizers():
         ZOSGD([weight], lr=0.01).load_state_dict(adam.state_dict())
     with pytest.raises(ValueError, match="not saved by a ZO optimizer"):
         ZOSGD([weight], lr=0.01).load_state_dict(torch.optim.SGD([weight], lr=0.1).state_dict())
+
+
+@pytest.mark.parametrize("name", ["zo_sgd", "zo_adam"])
+def test_noise_cache_is_bitwise_equal_to_regeneration(name):
+    results = []
+    for cache in (False, True):
+        weight, bias, loss = _problem()
+        optimizer = ZO_OPTIMIZERS[name](
+            [weight, bias], eps=1e-3, num_perturbations=2, cache_noise=cache, **HYPER[name]
+        )
+        for _ in range(6):
+            optimizer.step(loss)
+        optimizer.flush()
+        assert bool(optimizer.noise.cache_numel) == cache
+        results.append(torch.cat([weight.detach(), bias.detach()]))
+    assert torch.equal(*results)

@@ -32,14 +32,16 @@ def _lora(model):
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1", "fc2"]))
 
 
-@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
-def test_training_loss_decreases(tmp_path, use_lora):
+@pytest.mark.parametrize(
+    "use_lora, noise", [(False, "gaussian"), (False, "table"), (True, "gaussian")], ids=["full", "full-table", "lora"]
+)
+def test_training_loss_decreases(tmp_path, use_lora, noise):
     model = tiny_causal_lm("opt")
     if use_lora:
         model = _lora(model)
     data = lm_dataset(16)
     hyper = dict(learning_rate=0.1, zo_eps=1e-2) if use_lora else dict(learning_rate=3e-3)
-    args = _args(tmp_path, max_steps=300, logging_steps=50, **hyper)
+    args = _args(tmp_path, max_steps=300, logging_steps=50, zo_noise=noise, **hyper)
     trainer = ZOTrainer(model=model, args=args, train_dataset=data)
     before = trainer.evaluate(data)["eval_loss"]
     trainer.train()

@@ -25,6 +25,12 @@ from ..noise import Noise, mix_seed
 
 Closure = Callable[[], torch.Tensor | float]
 
+AUTO_CACHE_MAX_NUMEL = 1 << 22
+"""Trainable elements up to which the noise of recent seeds is cached by default (16 MiB of fp32 per seed)."""
+
+CACHED_STEPS = 4
+"""Seeds' worth of noise the cache holds when enabled (a seed is used by up to three consecutive sweeps)."""
+
 
 class ZOOptimizer(torch.optim.Optimizer):
     """Base class of the zeroth-order optimizers.
@@ -42,6 +48,10 @@ class ZOOptimizer(torch.optim.Optimizer):
         seed (`int`, defaults to 0): base seed; the seed of each perturbation derives from it and the step counter.
         max_consecutive_skips (`int`, *optional*):
             Stop with an error after this many consecutive estimates with a non-finite loss.
+        cache_noise (`bool`, *optional*):
+            Keep each step's noise instead of regenerating it in the following sweeps (memory: a few times the
+            trainable size). Default: on when the trainable parameters total at most `AUTO_CACHE_MAX_NUMEL`
+            elements (typical of PEFT), off otherwise.
         **defaults: further per-group hyper-parameters of the subclass.
     """
 
@@ -55,6 +65,7 @@ class ZOOptimizer(torch.optim.Optimizer):
         num_perturbations: int = 1,
         seed: int = 0,
         max_consecutive_skips: int | None = None,
+        cache_noise: bool | None = None,
         **defaults,
     ):
         if not lr >= 0:
@@ -79,12 +90,15 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.records: list[ZORecord] = []
         self._num_estimates = 0
         self._last_closure: Closure | None = None
+        self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
         # Set by hf_zo.parallel on a (dp, pertp) mesh: splits the estimates over ranks and gathers their records.
         self.parallel = None
-        self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
         # Set by attach_engine: runs the estimates and flushes instead of the sequential estimator (hf_zo.engine).
         self.engine = None
         self._build_parameters()
+        trainable_numel = sum(p.numel() for _, p in self.params.tensors)
+        if cache_noise or (cache_noise is None and trainable_numel <= AUTO_CACHE_MAX_NUMEL):
+            self.noise.enable_cache(CACHED_STEPS * trainable_numel)
 
     # ------------------------------------------------------------------ parameters
 

@@ -58,10 +58,10 @@ class _ChunkwiseZOOptimizer(ZOOptimizer):
                 chunk.mul_(update.decay)
             for seed, coeff in update.terms.items():
                 if coeff:
-                    chunk.add_(noise.fill_(z, seed, index, start), alpha=coeff)
+                    chunk.add_(noise.chunk(z, seed, index, start), alpha=coeff)
             grad.zero_()
             for seed, weight in weights:
-                grad.add_(noise.fill_(z, seed, index, start), alpha=weight)
+                grad.add_(noise.chunk(z, seed, index, start), alpha=weight)
             stop = start + chunk.numel()
             group = self.param_groups[self._group_of[position]]
             self._update_chunk(chunk, grad, [s[start:stop] for s in states[position]], group)

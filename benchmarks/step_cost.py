@@ -1,0 +1,296 @@
+"""What does one ZO step cost, in forward passes and in memory?
+
+For each configuration (model shape x full/LoRA), one fresh process measures, after a warm-up, the median seconds
+per step and the peak resident memory of:
+
+  (a) an inference forward (no_grad),
+  (b) an hf_zo ZO step through `ZOTrainer` with the default settings (and with `zo_noise="table"`),
+  (c) a MeZO reference step written here from the published algorithm (torch.manual_seed before each of its four
+      sweeps, z drawn per parameter with torch.normal, out-of-place updates),
+  (d) a first-order AdamW step through `transformers.Trainer`.
+
+It prints one JSON line per configuration with the ratios `zo_step/forward`, `zo_table_step/forward`,
+`mezo_step/zo_step`, `zo_peak_mem/inference_peak_mem` and `fo_peak_mem/zo_peak_mem`, then a summary table, and
+writes `docs/images/step_cost.png`. Peak memory is the resident set size above the process's size before the model
+was built (libraries only), so it counts weights, activations and every temporary.
+
+    python benchmarks/step_cost.py                      # tiny, small and OPT-125M shapes, full and LoRA
+    python benchmarks/step_cost.py --sizes opt-125m     # one shape
+    python benchmarks/step_cost.py --sizes opt-350m     # larger shapes on request
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4, vocab_size=1024),
+    "small": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4, vocab_size=8192),
+    "opt-125m": dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12, vocab_size=50272),
+    "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16, vocab_size=50272),
+}
+DEFAULT_SIZES = ["tiny", "small", "opt-125m"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_model(shape: str, lora: bool):
+    """A random OPT of the named shape (optionally with LoRA r=8 on q_proj, v_proj)."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        **SHAPES[shape],
+        word_embed_proj_dim=SHAPES[shape]["hidden_size"],
+        max_position_embeddings=2048,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = OPTForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def make_dataset(vocab_size: int, batch: int, length: int, steps: int):
+    import torch
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, vocab_size, (batch * steps, length), generator=generator).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * len(ids), "labels": ids})
+
+
+class StepTimer:
+    """A `TrainerCallback` recording the wall time of each optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer._start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.durations.append(time.perf_counter() - timer._start)
+
+        self.durations: list[float] = []
+        self.callback = _Callback()
+
+
+def time_trainer(trainer_cls, model, args_cls, dataset, steps: int, warmup: int, **extra):
+    from hf_zo.demo.memory import PeakMemory
+
+    args = args_cls(
+        output_dir="/tmp/hf_zo_bench",
+        max_steps=steps + warmup,
+        per_device_train_batch_size=8,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        logging_steps=10_000,
+        dataloader_num_workers=0,
+        **extra,
+    )
+    timer = StepTimer()
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=[timer.callback])
+    with PeakMemory() as memory:
+        trainer.train()
+    return statistics.median(timer.durations[warmup:]), memory
+
+
+def mezo_reference_step(model, batch, lr=1e-6, eps=1e-3, weight_decay=0.0):
+    """One step of the published MeZO algorithm (reference implementation style)."""
+    import numpy as np
+    import torch
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    seed = np.random.randint(1_000_000_000)
+
+    def perturb(scale):
+        torch.manual_seed(seed)
+        for _, p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device, dtype=p.data.dtype)
+            p.data = p.data + scale * z * eps
+
+    with torch.no_grad():
+        perturb(1)
+        loss_plus = model(**batch).loss
+        perturb(-2)
+        loss_minus = model(**batch).loss
+        perturb(1)
+        projected_grad = ((loss_plus - loss_minus) / (2 * eps)).item()
+        torch.manual_seed(seed)
+        for name, p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device, dtype=p.data.dtype)
+            if "bias" not in name and "layer_norm" not in name and "layernorm" not in name:
+                p.data = p.data - lr * (projected_grad * z + weight_decay * p.data)
+            else:
+                p.data = p.data - lr * (projected_grad * z)
+
+
+def measure(shape: str, lora: bool, steps: int, warmup: int, length: int = 64, batch: int = 8) -> dict:
+    """All four measurements for one configuration, in this process."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from hf_zo import ZOConfig, ZOTrainer
+    from hf_zo.demo.memory import PeakMemory, resident_bytes
+
+    baseline = resident_bytes()
+    dataset = make_dataset(SHAPES[shape]["vocab_size"], batch, length, steps + warmup)
+    batch_inputs = {k: torch.tensor(dataset[:batch][k]) for k in ("input_ids", "attention_mask", "labels")}
+
+    model = build_model(shape, lora).eval()
+    durations = []
+    with PeakMemory() as inference_memory, torch.no_grad():
+        for _ in range(warmup + steps):
+            start = time.perf_counter()
+            model(**batch_inputs)
+            durations.append(time.perf_counter() - start)
+    forward = statistics.median(durations[warmup:])
+
+    lr = 1e-4 if lora else 1e-6
+    zo_step, zo_memory = time_trainer(ZOTrainer, model, ZOConfig, dataset, steps, warmup, learning_rate=lr)
+    zo_table_step, _ = time_trainer(
+        ZOTrainer, model, ZOConfig, dataset, steps, warmup, learning_rate=lr, zo_noise="table"
+    )
+
+    durations = []
+    with PeakMemory() as mezo_memory:
+        for _ in range(warmup + steps):
+            start = time.perf_counter()
+            mezo_reference_step(model, batch_inputs, lr=lr)
+            durations.append(time.perf_counter() - start)
+    mezo_step = statistics.median(durations[warmup:])
+
+    del model
+    model = build_model(shape, lora)
+    fo_step, fo_memory = time_trainer(Trainer, model, TrainingArguments, dataset, steps, warmup, learning_rate=lr)
+
+    def above_baseline(memory):
+        return (memory.peak_bytes - baseline) / 2**20
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    result = {
+        "shape": shape,
+        "mode": "lora" if lora else "full",
+        "trainable_params": trainable,
+        "batch": f"{batch}x{length}",
+        "threads": torch.get_num_threads(),
+        "forward_s": round(forward, 4),
+        "zo_step_s": round(zo_step, 4),
+        "zo_table_step_s": round(zo_table_step, 4),
+        "mezo_step_s": round(mezo_step, 4),
+        "fo_step_s": round(fo_step, 4),
+        "inference_peak_mib": round(above_baseline(inference_memory), 1),
+        "zo_peak_mib": round(above_baseline(zo_memory), 1),
+        "mezo_peak_mib": round(above_baseline(mezo_memory), 1),
+        "fo_peak_mib": round(above_baseline(fo_memory), 1),
+    }
+    result.update(
+        {
+            "zo_step/forward": round(zo_step / forward, 3),
+            "zo_table_step/forward": round(zo_table_step / forward, 3),
+            "mezo_step/zo_step": round(mezo_step / zo_step, 3),
+            "fo_step/zo_step": round(fo_step / zo_step, 3),
+            "zo_peak_mem/inference_peak_mem": round(result["zo_peak_mib"] / result["inference_peak_mib"], 3),
+            "fo_peak_mem/zo_peak_mem": round(result["fo_peak_mib"] / result["zo_peak_mib"], 3),
+        }
+    )
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Bar chart of step cost in forward passes per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['shape']}\n{r['mode']}" for r in results]
+    series = {
+        "hf_zo ZO step": [r["zo_step/forward"] for r in results],
+        "hf_zo ZO step (table noise)": [r["zo_table_step/forward"] for r in results],
+        "MeZO reference step": [r["mezo_step_s"] / r["forward_s"] for r in results],
+        "first-order AdamW step": [r["fo_step_s"] / r["forward_s"] for r in results],
+    }
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)), 4))
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(results))], values, width, label=name)
+    ax.axhline(2.0, color="black", linestyle="--", linewidth=0.8, label="ideal: two forwards")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], labels)
+    ax.set_ylabel("seconds per step / seconds per forward")
+    ax.set_title("Cost of one training step, in forward passes (CPU, 2 threads)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def print_table(results: list[dict]) -> None:
+    columns = [
+        "shape",
+        "mode",
+        "forward_s",
+        "zo_step/forward",
+        "zo_table_step/forward",
+        "mezo_step/zo_step",
+        "zo_peak_mem/inference_peak_mem",
+        "fo_peak_mem/zo_peak_mem",
+    ]
+    widths = [max(len(c), *(len(str(r[c])) for r in results)) for c in columns]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in results:
+        print(" | ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=sorted(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per phase (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "step_cost.png"))
+    parser.add_argument("--single", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.single:
+        shape, mode = args.single
+        print(json.dumps(measure(shape, mode == "lora", args.steps, args.warmup)))
+        return
+
+    results = []
+    for shape in args.sizes:
+        for mode in args.modes:
+            command = [sys.executable, __file__, "--single", shape, mode, "--steps", str(args.steps)]
+            command += ["--warmup", str(args.warmup)]
+            env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    print()
+    print_table(results)
+    if args.plot and not math.isnan(results[0]["forward_s"]):
+        plot(results, Path(args.plot))
+        print(f"\nplot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The offline demo (`python -m hf_zo.demo`): see `__main__.py`."""
