@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
 
-from tiny_models import lm_dataset, tiny_causal_lm  # noqa: E402
+from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm  # noqa: E402
 
 STEPS = 4
 WRITES: list[str] = []
@@ -92,6 +92,8 @@ def train(
     save_steps: int | None = None,
     resume: str | None = None,
     callbacks=None,
+    dataset=None,
+    **config,
 ) -> dict:
     """Train `model` for `steps` optimizer steps; return its trainable parameters and the bytes sent per step."""
     args = ZOConfig(
@@ -110,8 +112,10 @@ def train(
         disable_tqdm=True,
         use_cpu=True,
         dataloader_num_workers=0,
+        **config,
     )
-    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(64, length=8), callbacks=callbacks)
+    dataset = lm_dataset(64, length=8) if dataset is None else dataset
+    trainer = ZOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.zo_plugin.comm_stats.reset()
     trainer.train(resume_from_checkpoint=resume)
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -137,6 +141,12 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         if scenario == "dp2":
             runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+            classify = dict(dataset=classification_dataset(32), steps=2)
+            runs["bert"] = train(out, "bert", tiny_bert_classifier(), zo_head_training="zeroth_order", **classify)
+            try:
+                train(out, "bert_first_order", tiny_bert_classifier(), zo_head_training="first_order", **classify)
+            except ValueError as error:
+                runs["first_order_head_error"] = str(error)
     elif scenario == "reference":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)

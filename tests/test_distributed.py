@@ -112,6 +112,13 @@ def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, referen
 
 
 @pytest.mark.multiprocess
+def test_data_parallel_classifier_replicas_agree_and_first_order_head_is_refused(dp2):
+    _assert_bitwise_equal(dp2[0]["runs"]["bert"]["params"], dp2[1]["runs"]["bert"]["params"])
+    for rank in dp2:
+        assert "set zo_head_training='zeroth_order'" in rank["runs"]["first_order_head_error"]
+
+
+@pytest.mark.multiprocess
 def test_2d_mesh_equals_gradient_accumulation_on_every_rank(mesh2x2, reference):
     for rank in mesh2x2:
         _assert_bitwise_equal(rank["runs"]["full"]["params"], reference["full_accumulate2"]["params"])
