@@ -159,12 +159,18 @@ def collect_head_inputs(
 
 
 def fit_logistic_regression(
-    features: torch.Tensor, labels: torch.Tensor, num_classes: int, l2: float = 1e-2, max_iter: int = 200
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    l2: float = 1e-2,
+    max_iter: int = 200,
+    fit_intercept: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multinomial logistic regression with an L2 penalty, fitted by L-BFGS on standardised features.
 
     Minimises ``mean CE(x W^T + b, y) + l2 / 2 * ||W_std||^2`` where ``W_std`` are the weights on standardised
-    features, then folds the standardisation back into ``(W, b)``.
+    features, then folds the standardisation back into ``(W, b)``. Without an intercept (a head Linear without
+    bias) the features are only scaled, not centred, and the bias returned is zero.
 
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: weight `(num_classes, in_features)` and bias `(num_classes,)`, fp32.
@@ -172,11 +178,13 @@ def fit_logistic_regression(
     if labels.min() < 0 or labels.max() >= num_classes:
         raise ValueError(f"Labels must be in [0, {num_classes}), got values in [{labels.min()}, {labels.max()}].")
     x = features.double()
-    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    mean = x.mean(0) if fit_intercept else torch.zeros_like(x[0])
+    std = (x - mean).pow(2).mean(0).sqrt().clamp_min(1e-6)
     x = (x - mean) / std
     weight = torch.zeros(num_classes, x.shape[1], dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(num_classes, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], max_iter=max_iter, line_search_fn="strong_wolfe")
+    bias = torch.zeros(num_classes, dtype=torch.float64, requires_grad=fit_intercept)
+    trained = [weight, bias] if fit_intercept else [weight]
+    optimizer = torch.optim.LBFGS(trained, max_iter=max_iter, line_search_fn="strong_wolfe")
 
     def closure():
         optimizer.zero_grad()
@@ -212,13 +220,12 @@ def fit_linear_probe(
     """
     linear = last_trainable_linear(head)
     features, labels = collect_head_inputs(model, linear, batches, max_samples)
-    weight, bias = fit_logistic_regression(features, labels, linear.out_features, l2=l2)
+    has_bias = linear.bias is not None
+    weight, bias = fit_logistic_regression(features, labels, linear.out_features, l2=l2, fit_intercept=has_bias)
     linear.weight.copy_(weight.to(linear.weight))
-    if linear.bias is not None:
+    if has_bias:
         linear.bias.copy_(bias.to(linear.bias))
-    else:
-        logger.warning("The head Linear has no bias; the probe's intercept is dropped.")
-    logits = features @ weight.T + (bias if linear.bias is not None else 0.0)
+    logits = features @ weight.T + bias
     return float((logits.argmax(-1) == labels).float().mean())
 
 
