@@ -1,7 +1,11 @@
 """Offload (ZO2): sequential, dual and dual + offloaded blocks train identically; disk-tier memory is bounded."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -103,22 +107,22 @@ def test_resume_with_pending_update_is_exact(tmp_path):
         assert torch.equal(resumed_weights[name], value), name
 
 
-def test_cpu_tier_and_prefetch_depth_do_not_change_results(tmp_path):
-    reference = None
+def _train_offloaded(model, offloader, steps=3):
+    optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=1)
+    optimizer.attach_engine(DualEngine(model, offloader=offloader))
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses = [optimizer.step(lambda: model(input_ids=ids, labels=ids).loss) for _ in range(steps)]
+    optimizer.flush()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_cpu_tier_and_prefetch_depth_do_not_change_results():
+    runs = []
     for prefetch in (0, 2):
         model = tiny_causal_lm("llama")
-        offloader = offload_model(model, "cpu", device="cpu", prefetch=prefetch)
-        optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=1)
-        optimizer.attach_engine(DualEngine(model, offloader=offloader))
-        ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-        losses = [optimizer.step(lambda: model(input_ids=ids, labels=ids).loss) for _ in range(3)]
-        optimizer.flush()
-        weights = [p.detach().clone() for p in model.parameters()]
-        if reference is None:
-            reference = losses, weights
-            continue
-        assert losses == reference[0]
-        assert all(torch.equal(a, b) for a, b in zip(weights, reference[1]))
+        runs.append(_train_offloaded(model, offload_model(model, "cpu", device="cpu", prefetch=prefetch)))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
 def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
@@ -137,8 +141,8 @@ def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
     optimizer = ZOSGD([p for p in model.parameters() if p.requires_grad], lr=0.1, eps=1e-2, seed=1)
     optimizer.attach_engine(DualEngine(model, offloader=offloader))
     ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)
+    optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)
+    optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)  # the first update is applied as blocks arrive
     optimizer.flush()
     assert written and all(id(view) in trainable_views for view in written)
     with safe_open(os.path.join(str(tmp_path), "block_00000.safetensors"), "pt") as stored:
@@ -177,3 +181,68 @@ def test_offload_config_errors():
         ZOConfig(output_dir="x", zo_engine="dual", zo_offload="disk", zo_offload_dtype="int8")
     with pytest.raises(ValueError, match="zo_offload_dir='d' is set but zo_offload is None"):
         ZOConfig(output_dir="x", zo_offload_dir="d")
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+    from hf_zo.engine import DualEngine
+    from hf_zo.engine.setup import offload_model
+    from hf_zo.optim import ZOSGD
+
+    def anonymous_rss():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+    layers, prefetch, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=64, hidden_size=256, num_hidden_layers=layers, ffn_dim=1024, num_attention_heads=4,
+                       max_position_embeddings=64, word_embed_proj_dim=256, dropout=0.0, pad_token_id=1)
+    ids = torch.randint(2, 64, (2, 16))
+    with torch.no_grad():  # load kernels and warm the allocator on a one-layer model of the same width
+        OPTForCausalLM(OPTConfig(**{**config.to_dict(), "num_hidden_layers": 1})).eval()(input_ids=ids, labels=ids)
+    start = anonymous_rss()
+    model = OPTForCausalLM(config).eval()
+    block_bytes = sum(p.nbytes for p in model.model.decoder.layers[0].parameters())
+    resident_bytes = sum(p.nbytes for p in model.parameters()) - layers * block_bytes
+    offloader = offload_model(model, "disk", directory=directory, device="cpu", prefetch=prefetch)
+    after_offload = anonymous_rss()
+    optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=0)
+    optimizer.attach_engine(DualEngine(model, offloader=offloader))
+    samples = []
+    for block in offloader.blocks:  # sampled while a block computes: the most working copies in memory
+        block.register_forward_hook(lambda *args: samples.append(anonymous_rss()))
+    optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)
+    optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)  # the first update is applied as blocks arrive
+    optimizer.flush()
+    samples.append(anonymous_rss())
+    print(json.dumps(dict(start=start, after_offload=after_offload, peak=max(samples), block_bytes=block_bytes,
+                          resident_bytes=resident_bytes, blocks_bytes=layers * block_bytes)))
+    """
+)
+
+ACTIVATIONS_AND_RUNTIME_BYTES = 16 << 20
+"""Allowance for activations, noise-sweep scratch, the pass threads and allocator slack (measured: ~10 MiB)."""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RssAnon from /proc/self/status")
+def test_disk_tier_anonymous_memory_is_bounded(tmp_path):
+    """32 blocks of 3 MiB on disk: anonymous memory grows by at most (prefetch + 1) blocks + activations."""
+    prefetch = 1
+    # A fixed mmap threshold makes glibc return every freed tensor at once, so RSS measures live memory rather
+    # than the allocator's cache of freed chunks.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, "32", str(prefetch), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    bound = figures["resident_bytes"] + (prefetch + 1) * figures["block_bytes"] + ACTIVATIONS_AND_RUNTIME_BYTES
+    assert figures["blocks_bytes"] > 4 * bound, figures
+    assert figures["after_offload"] - figures["start"] < figures["resident_bytes"] + (4 << 20), figures
+    assert figures["peak"] - figures["start"] < bound, (figures, bound)
