@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
 from collections.abc import Mapping
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import logging
 
+from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
 from .config import ZOConfig
 from .engine import DualEngine
 from .engine.setup import offload_model
@@ -61,6 +66,7 @@ class ZOTrainer(Trainer):
     """
 
     _tag_names = ["zeroth-order", "hf-zo"]
+    _zo_staging = False  # True while Trainer writes a checkpoint, so that it lands in the staging folder
 
     def __init__(
         self,
@@ -274,11 +280,54 @@ class ZOTrainer(Trainer):
         return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` of the true (flushed) weights; used by checkpoints too."""
+        """`Trainer.save_model` of the true (flushed) weights; used by checkpoints too.
+
+        Outside checkpoints (which are published atomically as a whole), the files are written to a temporary
+        folder and moved into `output_dir` one atomic rename each, so a crash never leaves a half-written file.
+        """
         self.flush_pending_update()
+        output_dir = output_dir or self.args.output_dir
+        target = output_dir
+        if not _internal_call and self.args.should_save:
+            output_dir = os.path.join(target, ".zo-save-tmp")
+            shutil.rmtree(output_dir, ignore_errors=True)
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
-            self.zo_trajectory_callback.save(output_dir or self.args.output_dir, self.model)
+            self.zo_trajectory_callback.save(output_dir, self.model)
+            if output_dir != target:
+                replace_files_atomically(output_dir, target)
+
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return str(staging_dir(run_dir)) if self._zo_staging else run_dir
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """`Trainer._save_checkpoint`, written to a staging folder and published with one atomic rename."""
+        run_dir = super()._get_output_dir(trial)
+        staging = staging_dir(run_dir)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed save: never published, incomplete
+        self.accelerator.wait_for_everyone()
+        self._zo_staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._zo_staging = False
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            staged, final = staging / name, os.path.join(run_dir, name)
+            if self.state.best_model_checkpoint == str(staged):
+                self.state.best_model_checkpoint = final
+                self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
+            publish_checkpoint(staged, final)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
 
     @property
     def zo_trajectory(self) -> ZOTrajectory | None:

@@ -1,0 +1,73 @@
+"""Killing training at any moment (SIGKILL) loses nothing: the last complete checkpoint resumes bitwise."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.trainer_utils import get_last_checkpoint
+
+WORKER = Path(__file__).parent / "crash_worker.py"
+
+
+def _launch(output_dir: Path, slow: bool) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+    command = [sys.executable, str(WORKER), str(output_dir)] + (["slow"] if slow else [])
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def _run_to_completion(output_dir: Path) -> dict:
+    process = _launch(output_dir, slow=False)
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0 and "DONE" in out, out
+    return torch.load(output_dir / "final_state.pt", weights_only=True)
+
+
+def _check_last_checkpoint_loads(output_dir: Path) -> None:
+    last = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if last is None:
+        return
+    from safetensors.torch import load_file
+
+    load_file(os.path.join(last, "model.safetensors"))
+    state = torch.load(os.path.join(last, "optimizer.pt"), weights_only=True)
+    assert state["zo"]["step"] == int(last.rsplit("-", 1)[1])
+
+
+@pytest.mark.slow
+def test_sigkill_during_training_and_saves_then_resume_is_bitwise(tmp_path):
+    reference = _run_to_completion(tmp_path / "reference")
+
+    crashed = tmp_path / "crashed"
+    rng = random.Random(0)
+    kills = {"during_step": 0, "during_save": 0}
+    for attempt in range(4):
+        during_save = attempt % 2 == 1
+        process = _launch(crashed, slow=during_save)
+        target_step = rng.randint(1, 15)
+        for line in process.stdout:
+            line = line.strip()
+            if during_save and line == "SAVING":
+                time.sleep(rng.uniform(0.0, 0.25))
+                break
+            if not during_save and line.startswith("STEP ") and int(line.split()[1]) >= target_step:
+                time.sleep(rng.uniform(0.0, 0.05))
+                break
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            kills["during_save" if during_save else "during_step"] += 1
+        else:
+            process.wait()
+        _check_last_checkpoint_loads(crashed)
+        assert not (crashed / "checkpoint-16.replaced").exists()
+
+    assert kills["during_step"] >= 1 and kills["during_save"] >= 1, kills
+    resumed = _run_to_completion(crashed)
+    for name, value in reference.items():
+        assert torch.equal(value, resumed[name]), name
