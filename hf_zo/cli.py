@@ -155,7 +155,10 @@ def _describe(trajectory: ZOTrajectory, source: str) -> list[tuple[str, str]]:
     reason = trajectory.replayable()
     rows = [
         ("trajectory", f"{source} (format version {header['format_version']}, {size:,} bytes)"),
-        ("base model", f"{base['name_or_path']} (revision {base['revision']}, {base['model_class']}{adapter})"),
+        (
+            "base model",
+            f"{base['name_or_path'] or '(unnamed)'} (revision {base['revision']}, {base['model_class']}{adapter})",
+        ),
         (
             "optimizer",
             f"{optimizer['class']} ({optimizer['name']}): eps={optimizer['eps']}, "

@@ -177,6 +177,10 @@ class ZOTrajectory:
 
     def record_update(self, optimizer: ZOOptimizer, step: int, seeds: list[int], records: list[ZORecord]) -> None:
         """The update hook (see `ZOOptimizer.register_update_hook`): append the step just applied."""
+        dp_size = getattr(getattr(getattr(optimizer, "parallel", None), "mesh", None), "dp_size", 1)
+        if dp_size > 1:
+            # On a data-parallel mesh every rank also sweeps the other ranks' perturbations, in global order.
+            seeds = [optimizer.perturbation_seed(step, k) for k in range(len(seeds) * dp_size)]
         grads = {r.seed: r.projected_grad for r in records}
         known = set(seeds)
         seeds = list(seeds) + [r.seed for r in records if r.seed not in known]
