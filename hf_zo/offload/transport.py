@@ -71,7 +71,6 @@ class CudaTransport:
 
     def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> tuple:
         """Start uploading `sources` (cast to `dtypes` on the GPU); returns a handle for :meth:`wait`."""
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             tensors = [s.to(self.device, non_blocking=True).to(d) for s, d in zip(sources, dtypes)]
             event = torch.cuda.Event()
