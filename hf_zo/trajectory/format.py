@@ -468,7 +468,7 @@ def checksum(tensors: dict[str, torch.Tensor]) -> dict:
     digests, total = {}, hashlib.sha256()
     for name, tensor in tensors.items():
         flat = tensor.detach().contiguous().view(-1).cpu()
-        digest = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        digest = hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()[:16]
         digests[name] = digest
         total.update(f"{name}:{digest}\n".encode())
     return {"sha256": total.hexdigest(), "parameters": digests}
