@@ -107,13 +107,13 @@ def test_resume_with_pending_update_is_exact(tmp_path):
         assert torch.equal(resumed_weights[name], value), name
 
 
-def _train_offloaded(model, offloader, steps=3):
+def _train_offloaded(model, offloader, steps=3, device="cpu"):
     optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=1)
     optimizer.attach_engine(DualEngine(model, offloader=offloader))
-    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
     losses = [optimizer.step(lambda: model(input_ids=ids, labels=ids).loss) for _ in range(steps)]
     optimizer.flush()
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return losses, [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def test_cpu_tier_and_prefetch_depth_do_not_change_results():
@@ -121,6 +121,22 @@ def test_cpu_tier_and_prefetch_depth_do_not_change_results():
     for prefetch in (0, 2):
         model = tiny_causal_lm("llama")
         runs.append(_train_offloaded(model, offload_model(model, "cpu", device="cpu", prefetch=prefetch)))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_transport_matches_resident_blocks():
+    """Pinned host blocks streamed on a side stream give the resident dual engine's losses and weights on the GPU."""
+    runs = []
+    for offload in (False, True):
+        model = tiny_causal_lm("llama")
+        offloader = offload_model(model, "cpu", device="cuda", prefetch=1) if offload else None
+        model.to("cuda")  # offloaded blocks stay in pinned host memory
+        runs.append(_train_offloaded(model, offloader, device="cuda"))
+        if offload:
+            assert all(p.device.type == "cpu" and p.is_pinned() for p in find_blocks(model)[0].parameters())
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
