@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..optim import ZOOptimizer
-from .format import TRAJECTORY_NAME, ZOTrajectory
+from .format import TRAJECTORY_NAME, TrajectoryFormatError, ZOTrajectory
 
 logger = logging.get_logger(__name__)
 
@@ -63,7 +63,11 @@ class ZOTrajectoryCallback(TrainerCallback):
                 optimizer.zo_step,
             )
             return None
-        trajectory = ZOTrajectory.load(path)
+        try:
+            trajectory = ZOTrajectory.load(path)
+        except TrajectoryFormatError as error:
+            logger.warning("%s The trajectory starts again at step %d.", error, optimizer.zo_step)
+            return None
         if trajectory.next_step != optimizer.zo_step:
             logger.warning(
                 "%s ends before step %d but the optimizer resumes at step %d: starting a new trajectory there.",

@@ -26,12 +26,9 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
-from transformers.utils import logging
 
 from ..estimator import ZORecord
 from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
-
-logger = logging.get_logger(__name__)
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
@@ -367,6 +364,9 @@ class ZOTrajectory:
         """
         if os.path.exists(path_or_repo_id):
             return cls.load(path_or_repo_id)
+        name = str(path_or_repo_id)
+        if os.path.isabs(name) or name.startswith(".") or name.count("/") > 1:
+            raise FileNotFoundError(f"No trajectory at {name}: the path does not exist (and is not a Hub repo id).")
         return cls.load(
             huggingface_hub.hf_hub_download(str(path_or_repo_id), TRAJECTORY_NAME, revision=revision, token=token)
         )
