@@ -23,7 +23,6 @@ ENGINES = {
     "sequential": dict(zo_engine="sequential"),
     "dual": dict(zo_engine="dual"),
     "dual+disk": dict(zo_engine="dual", zo_offload="disk"),
-    "dual+cpu": dict(zo_engine="dual", zo_offload="cpu"),
 }
 
 
@@ -262,3 +261,23 @@ def test_disk_tier_anonymous_memory_is_bounded(tmp_path):
     assert figures["blocks_bytes"] > 4 * bound, figures
     assert figures["after_offload"] - figures["start"] < figures["resident_bytes"] + (4 << 20), figures
     assert figures["peak"] - figures["start"] < bound, (figures, bound)
+
+
+def test_failure_mid_estimate_writes_blocks_back_and_restores(tmp_path):
+    model = tiny_causal_lm("qwen2")
+    before = [p.detach().clone() for p in model.parameters()]
+    offloader = offload_model(model, "disk", directory=str(tmp_path), device="cpu", prefetch=1)
+    optimizer = ZOSGD(model.parameters(), lr=1e-3, eps=1e-3, seed=1)
+    optimizer.attach_engine(DualEngine(model, offloader=offloader))
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def explode(module, args):
+        raise RuntimeError("out of memory in block 1")
+
+    handle = find_blocks(model)[1].register_forward_pre_hook(explode)
+    with pytest.raises(RuntimeError, match="out of memory in block 1"):
+        optimizer.estimate(lambda: model(input_ids=ids, labels=ids).loss)
+    handle.remove()
+    assert not offloader._resident
+    optimizer.flush()
+    assert all(torch.allclose(p, b, rtol=0, atol=1e-6) for p, b in zip(model.parameters(), before))
