@@ -83,9 +83,11 @@ class ZOConfig(TrainingArguments):
             forwards together, one repeated block at a time (found from `_no_split_modules`), so each block is
             perturbed, used by both and restored while it is resident: same losses and weights as `"sequential"`
             (bitwise in fp32), and the schedule that offload needs. Activation memory is that of a doubled batch.
-        zo_exact_restore (`bool`, *optional*, defaults to `False`):
-            With `"dual"`, restore each block from a saved copy (one block of memory) instead of subtracting the
-            perturbation: exact in bf16/fp16, no longer bitwise equal to `"sequential"` in fp32.
+        zo_exact_restore (`bool`, *optional*):
+            Restore the weights after the two forwards from a saved copy instead of subtracting the perturbation:
+            exact in bf16/fp16 (no drift), no longer bitwise equal to subtracting in fp32. `"sequential"` copies the
+            trainable tensors (memory: their size), `"dual"` one block at a time. Default (`None`): on with
+            `"sequential"` when a trainable tensor is fp16/bf16 and they total at most 4M elements (PEFT), else off.
         zo_offload (`str`, *optional*):
             Keep the blocks in `"cpu"` memory (pinned when CUDA is available) or on `"disk"` (memory-mapped
             safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
@@ -140,7 +142,9 @@ class ZOConfig(TrainingArguments):
     zo_engine: str = field(
         default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
     )
-    zo_exact_restore: bool = field(default=False, metadata={"help": "Dual engine: restore blocks from a copy."})
+    zo_exact_restore: bool | None = field(
+        default=None, metadata={"help": "Restore weights from a copy (no bf16/fp16 drift); default: auto."}
+    )
     zo_offload: str | None = field(
         default=None, metadata={"help": "Offload blocks to this tier.", "choices": list(OFFLOAD_TIERS)}
     )
@@ -164,8 +168,6 @@ class ZOConfig(TrainingArguments):
     def _validate_zo_engine_arguments(self) -> None:
         if self.zo_engine not in ZO_ENGINES:
             raise ValueError(f"Unknown zo_engine {self.zo_engine!r}; choose one of {list(ZO_ENGINES)}.")
-        if self.zo_exact_restore and self.zo_engine != "dual":
-            raise ValueError("zo_exact_restore needs zo_engine='dual'; set both or leave zo_exact_restore=False.")
         if self.zo_offload is None:
             if self.zo_offload_dir is not None:
                 raise ValueError(

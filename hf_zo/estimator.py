@@ -98,16 +98,22 @@ class SPSAEstimator:
     projected gradient ``(L+ - L-) / (2 * eps)``. The restore to ``theta`` is left pending so that it fuses with
     whatever moves the parameters next.
 
+    In bf16/fp16 ``(theta + eps z) - 2 eps z + eps z`` is not ``theta``: each step's rounding drifts the weights.
+    With `exact_restore`, the parameters are copied before the perturbation and copied back after the second
+    forward (memory: one copy of the perturbed tensors; one extra pass).
+
     Args:
         params (`LazyParameters`): the parameters to perturb.
         eps (`float`): perturbation scale, > 0.
+        exact_restore (`bool`, defaults to `False`): restore from a copy instead of subtracting the noise.
     """
 
-    def __init__(self, params: LazyParameters, eps: float):
+    def __init__(self, params: LazyParameters, eps: float, exact_restore: bool = False):
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps}.")
         self.params = params
         self.eps = eps
+        self.exact_restore = exact_restore
 
     @torch.no_grad()
     def estimate(self, closure: Callable[[], torch.Tensor | float], seed: int) -> ZORecord | None:
@@ -115,13 +121,21 @@ class SPSAEstimator:
 
         Either way the parameters are (pending) restored to where they were; a dropped record is never applied.
         """
+        snapshot = None
+        if self.exact_restore:
+            self.params.flush()
+            snapshot = [tensor.detach().clone() for _, tensor in self.params.tensors]
         self.params.add(seed, self.eps)
         self.params.flush()
         loss_plus = _as_float(closure())
         self.params.add(seed, -2.0 * self.eps)
         self.params.flush()
         loss_minus = _as_float(closure())
-        self.params.add(seed, self.eps)
+        if snapshot is None:
+            self.params.add(seed, self.eps)
+        else:
+            for (_, tensor), saved in zip(self.params.tensors, snapshot):
+                tensor.data.copy_(saved)
         return make_record(seed, loss_plus, loss_minus, self.eps)
 
 

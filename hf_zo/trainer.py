@@ -198,7 +198,7 @@ class ZOTrainer(Trainer):
     def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
         """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
         if self.args.zo_engine == "dual":
-            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=self.args.zo_exact_restore)
+            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=bool(self.args.zo_exact_restore))
             optimizer.attach_engine(engine)
 
     # ------------------------------------------------------------------ distributed layout
@@ -359,6 +359,7 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,
         cache_noise=args.zo_noise_cache,
+        exact_restore=args.zo_exact_restore,
     )
     if args.zo_optimizer == "zo_sgd_momentum":
         kwargs["momentum"] = args.zo_momentum

@@ -14,6 +14,7 @@ Two ways to drive it:
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -22,6 +23,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..estimator import LazyParameters, SPSAEstimator, ZORecord
 from ..noise import Noise, mix_seed
+
+logger = logging.getLogger(__name__)
 
 Closure = Callable[[], torch.Tensor | float]
 
@@ -48,6 +51,11 @@ class ZOOptimizer(torch.optim.Optimizer):
         seed (`int`, defaults to 0): base seed; the seed of each perturbation derives from it and the step counter.
         max_consecutive_skips (`int`, *optional*):
             Stop with an error after this many consecutive estimates with a non-finite loss.
+        exact_restore (`bool`, *optional*):
+            Restore the parameters after the two forwards from a copy instead of by subtracting the noise, so that
+            bf16/fp16 weights do not drift (memory: one copy of the trainable tensors). Default: on when some
+            trainable tensor is fp16/bf16 and the trainable parameters total at most `AUTO_CACHE_MAX_NUMEL`
+            elements.
         cache_noise (`bool`, *optional*):
             Keep each step's noise instead of regenerating it in the following sweeps (memory: a few times the
             trainable size). Default: on when the trainable parameters total at most `AUTO_CACHE_MAX_NUMEL`
@@ -66,6 +74,7 @@ class ZOOptimizer(torch.optim.Optimizer):
         seed: int = 0,
         max_consecutive_skips: int | None = None,
         cache_noise: bool | None = None,
+        exact_restore: bool | None = None,
         **defaults,
     ):
         if not lr >= 0:
@@ -95,6 +104,7 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.parallel = None
         # Set by attach_engine: runs the estimates and flushes instead of the sequential estimator (hf_zo.engine).
         self.engine = None
+        self._exact_restore = exact_restore
         self._build_parameters()
         trainable_numel = sum(p.numel() for _, p in self.params.tensors)
         if cache_noise or (cache_noise is None and trainable_numel <= AUTO_CACHE_MAX_NUMEL):
@@ -121,7 +131,18 @@ class ZOOptimizer(torch.optim.Optimizer):
         if not tensors:
             raise ValueError("The optimizer got no parameters: check that some have requires_grad=True.")
         self.params = LazyParameters(tensors, self.noise)
-        self.estimator = SPSAEstimator(self.params, self.eps)
+        exact_restore = self._exact_restore
+        low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in tensors)
+        if exact_restore is None:
+            exact_restore = low_precision and sum(p.numel() for _, p in tensors) <= AUTO_CACHE_MAX_NUMEL
+        if low_precision and not exact_restore:
+            logger.warning(
+                "Trainable fp16/bf16 weights are restored by subtracting the noise, which drifts them by about 0.1 "
+                "ulp per step (see benchmarks/precision_drift.py). Keep fp32 weights and train with bf16=True "
+                "(autocast), or set zo_exact_restore=True (memory: one copy of the trainable weights; with "
+                "zo_engine='dual', one block)."
+            )
+        self.estimator = SPSAEstimator(self.params, self.eps, exact_restore=exact_restore)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (see `torch.optim.Optimizer.add_param_group`)."""
