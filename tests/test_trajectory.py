@@ -97,6 +97,20 @@ def test_replay_of_resumed_run_is_bitwise_the_training(tmp_path, use_lora):
     _assert_bitwise(_trainable(base), trained)
 
 
+def test_resume_from_checkpoint_without_trajectory_records_from_there(tmp_path):
+    short = dict(max_steps=4, save_steps=2, gradient_accumulation_steps=1, zo_num_perturbations=1)
+    _train(tiny_causal_lm("opt"), tmp_path / "a", **short)
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")
+    (tmp_path / "b" / "checkpoint-2" / TRAJECTORY_NAME).unlink()
+    resumed = _train(tiny_causal_lm("opt"), tmp_path / "b", str(tmp_path / "b" / "checkpoint-2"), **short)
+
+    trajectory = ZOTrajectory.load(tmp_path / "b")
+    assert (trajectory.first_step, len(trajectory)) == (2, 2)
+    checkpoint = type(resumed.model).from_pretrained(tmp_path / "b" / "checkpoint-2")
+    replay(checkpoint, trajectory)  # the base of a partial trajectory is the checkpoint it started from
+    _assert_bitwise(_trainable(checkpoint), _trainable(resumed.model))
+
+
 def test_replay_of_stateful_optimizer_is_bitwise(tmp_path):
     base = tiny_causal_lm("gpt2")
     trainer = _train(copy.deepcopy(base), tmp_path, zo_optimizer="zo_adam", max_steps=4, save_strategy="no")
