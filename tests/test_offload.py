@@ -32,6 +32,7 @@ def _args(out, **overrides):
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         learning_rate=1e-3,
+        lr_scheduler_type="linear",  # each deferred update must use the learning rate of its own step
         weight_decay=0.1,
         zo_eps=1e-3,
         max_steps=6,
