@@ -99,7 +99,8 @@ def _device(requested: str | None, trajectory: ZOTrajectory) -> torch.device:
     if requested is not None:
         return torch.device(requested)
     recorded = trajectory.header["device_type"]
-    if recorded != "cpu" and not getattr(torch, recorded).is_available():
+    backend = getattr(torch, recorded, None)
+    if recorded != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
         logger.warning("The trajectory was recorded on %s, which is not available here: replaying on cpu.", recorded)
         return torch.device("cpu")
     return torch.device(recorded)
