@@ -102,6 +102,15 @@ def test_dual_matches_sequential_with_peft(peft_config):
     assert runs[0][0][-1].projected_grad != 0.0  # the adapter is perturbed and moves the loss
 
 
+def test_blocks_that_do_not_run_get_the_sequential_sweeps():
+    runs = []
+    for engine in ("sequential", "dual"):
+        model = _model("llama")
+        model.config.num_hidden_layers = 1  # Llama runs layers[:num_hidden_layers]: block 1 is trained but never runs
+        runs.append(_run(model, "llama", engine))
+    _assert_same(*runs)
+
+
 def test_dual_works_with_stateful_optimizers():
     _assert_same(_run(_model("llama"), "llama", "sequential", ZOAdam), _run(_model("llama"), "llama", "dual", ZOAdam))
 

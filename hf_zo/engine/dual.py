@@ -46,7 +46,7 @@ class _Unit:
         self.block = block
         self.reentrant = reentrant
         self.sign = 0
-        self.visited = False
+        self.visited = False  # blocks: reached by the passes in the current estimate
         self.plus_copy: list[torch.Tensor] | None = None
         self.base_copy: list[torch.Tensor] | None = None
 
@@ -162,7 +162,7 @@ class DualEngine:
         """
         self.bind(params)
         self._seed, self._eps = seed, eps
-        for unit in self._block_units + self._rest_units:
+        for unit in self._block_units:
             unit.visited = False
         plus, minus = LockstepPass(+1, closure), LockstepPass(-1, closure)
         started: list[LockstepPass] = []
@@ -204,9 +204,9 @@ class DualEngine:
             self._active = False
             if self.offloader is not None:
                 self.offloader.managed = False
-        for unit in self._block_units + self._rest_units:
-            if unit.sign != 0 or not unit.visited:
-                self._finish(unit)
+        # Tensors outside the blocks, and blocks no pass ran, still get the sequential engine's sweeps (bitwise).
+        for unit in self._rest_units + [u for u in self._block_units if not u.visited]:
+            self._finish(unit)
         return make_record(seed, _loss_value(at_plus.result), _loss_value(at_minus.result), eps)
 
     # ------------------------------------------------------------------ moves of one unit
