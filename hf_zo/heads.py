@@ -27,6 +27,22 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+__all__ = [
+    "HEAD_INIT_CHOICES",
+    "HEAD_TRAINING_CHOICES",
+    "FirstOrderHead",
+    "ZOHeads",
+    "collect_head_inputs",
+    "find_head_modules",
+    "fit_linear_probe",
+    "fit_logistic_regression",
+    "head_parameter_names",
+    "is_sequence_classifier",
+    "last_trainable_linear",
+    "prepare_zo_heads",
+    "resolve_head_options",
+]
+
 HEAD_INIT_CHOICES = ("auto", "none", "linear_probe")
 HEAD_TRAINING_CHOICES = ("auto", "zeroth_order", "first_order")
 HEAD_OPTIMIZER_NAME = "zo_head_optimizer.pt"
@@ -254,7 +270,7 @@ class FirstOrderHead:
         self.params = params
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.num_backward = 0
-        self._active = False
+        self._active = 0  # captures in progress (the dual engine runs both forwards' closures concurrently)
         self._handles = [h.register_forward_pre_hook(self._enter_head) for h in heads.values()]
 
     def _enter_head(self, module, args):
@@ -267,11 +283,11 @@ class FirstOrderHead:
     def capture(self) -> Iterator[None]:
         """Context of one ZO forward pass: gradients flow from the loss into the heads, never into the body."""
         previous = torch.is_grad_enabled()
-        self._active = True
+        self._active += 1
         try:
             yield
         finally:
-            self._active = False
+            self._active -= 1
             torch.set_grad_enabled(previous)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
