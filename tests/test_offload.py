@@ -179,7 +179,7 @@ def test_plain_forward_streams_blocks_and_matches_resident(tmp_path):
     with torch.no_grad():
         expected, got = resident(input_ids=ids).logits, offloaded(input_ids=ids).logits
     assert torch.equal(expected, got)
-    assert not offloader._resident and not offloader._in_flight
+    assert not offloader.busy_blocks
     block_param = next(find_blocks(offloaded)[0].parameters())
     assert block_param.untyped_storage().nbytes() == block_param.nbytes  # at rest: its own file-backed map
 
@@ -279,6 +279,6 @@ def test_failure_mid_estimate_writes_blocks_back_and_restores(tmp_path):
     with pytest.raises(RuntimeError, match="out of memory in block 1"):
         optimizer.estimate(lambda: model(input_ids=ids, labels=ids).loss)
     handle.remove()
-    assert not offloader._resident
+    assert not offloader.busy_blocks
     optimizer.flush()
     assert all(torch.allclose(p, b, rtol=0, atol=1e-6) for p, b in zip(model.parameters(), before))

@@ -199,6 +199,8 @@ class DualEngine:
                 started_pass.abort()
             for unit in self._block_units + self._rest_units:
                 self._abort(unit)
+            if self.offloader is not None:
+                self.offloader.synchronize()  # drop prefetched copies: storage may change before the next estimate
             raise
         finally:
             self._active = False

@@ -140,9 +140,10 @@ class BlockOffloader:
         self._in_flight.clear()
         self.transport.synchronize()
 
-    def trainable_positions(self, b: int) -> list[int]:
-        """Positions (in the block's parameter list) of the tensors that training changes."""
-        return [k for k, p in enumerate(self.params[b]) if p.requires_grad]
+    @property
+    def busy_blocks(self) -> list[int]:
+        """Blocks on the working device or being loaded (empty between forwards)."""
+        return sorted(set(self._resident) | set(self._in_flight))
 
     def close(self) -> None:
         """Remove the hooks and release the storage; the model's offloaded parameters are unusable afterwards."""
