@@ -89,18 +89,18 @@ def find_head_modules(model: nn.Module, names: Iterable[str] | None = None) -> d
             `classifier.out_proj`).
 
     Returns:
-        `dict[str, nn.Module]`: the outermost matching modules, in model order.
+        `dict[str, nn.Module]`: the outermost matching modules, in model order (the last one produces the logits).
     """
     modules = dict(model.named_modules())
     if names:
-        found = {}
+        matches = set()
         for wanted in names:
-            matches = [n for n in modules if n == wanted or n.endswith("." + wanted)]
-            matches = [n for n in matches if not any(n.startswith(m + ".") for m in matches)]
-            if not matches:
+            named = [n for n in modules if n == wanted or n.endswith("." + wanted)]
+            if not named:
                 raise ValueError(f"zo_head_modules names {wanted!r}, but no module of {type(model).__name__} has it.")
-            found.update({n: modules[n] for n in matches})
-        return found
+            matches.update(named)
+        outermost = [n for n in modules if n in matches and not any(n.startswith(m + ".") for m in matches)]
+        return {n: modules[n] for n in outermost}
     num_labels = getattr(getattr(model, "config", None), "num_labels", None)
     linears = [
         name
@@ -382,11 +382,11 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     if head_init == "linear_probe" and not resume_from_checkpoint:
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
-        for name, head in heads.items():
-            batches = trainer.get_eval_dataloader(trainer.train_dataset)
-            accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples)
-            _broadcast_from_main(head)
-            logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
+        name, head = list(heads.items())[-1]  # the module that produces the logits
+        batches = trainer.get_eval_dataloader(trainer.train_dataset)
+        accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples)
+        _broadcast_from_main(head)
+        logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
     if head_training != "first_order":
         return ZOHeads(list(heads))
     names = head_parameter_names(model, heads)

@@ -40,6 +40,8 @@ def test_auto_options_apply_to_sequence_classifiers_only():
 
 def test_find_head_modules_plain_peft_and_by_name():
     assert list(find_head_modules(tiny_bert_classifier())) == ["classifier"]
+    # Several names come back in model order: the last one produces the logits (and gets the linear probe).
+    assert list(find_head_modules(tiny_bert_classifier(), ["classifier", "pooler"])) == ["bert.pooler", "classifier"]
     peft_model = lora(tiny_bert_classifier())
     found = find_head_modules(peft_model)
     assert list(found) == ["base_model.model.classifier.modules_to_save.default"]
