@@ -198,7 +198,8 @@ class ZOTrainer(Trainer):
     def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
         """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
         if self.args.zo_engine == "dual":
-            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=bool(self.args.zo_exact_restore))
+            exact_restore = bool(self.args.zo_exact_restore)
+            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=exact_restore)
             optimizer.attach_engine(engine)
 
     # ------------------------------------------------------------------ distributed layout
@@ -334,6 +335,20 @@ class ZOTrainer(Trainer):
         """The run's trajectory (seeds, projected gradients, lr and weight decay of every step), once training began;
         `save_model` writes it as `zo_trajectory.bin`."""
         return self.zo_trajectory_callback.trajectory
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """`Trainer._load_from_checkpoint`, with a clear error when the checkpoint belongs to another model."""
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except RuntimeError as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            mismatch = next((line for line in lines if "size mismatch" in line), None)
+            if mismatch is None:
+                raise
+            raise ValueError(
+                f"Checkpoint {resume_from_checkpoint} was saved from a different model or adapter ({mismatch}). "
+                "Resume with the model and PEFT config that wrote it, or train into a new output_dir."
+            ) from None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """`Trainer._load_optimizer_and_scheduler`; the trajectory saved in `checkpoint` is then continued."""

@@ -1,33 +1,54 @@
-"""Bad configurations and inputs fail at construction with a message that names the value and the fix."""
+"""The bad-input matrix: every bad configuration or input ends in one clear error (what was wrong, how to fix),
+raised by hf_zo before any training step, and no checkpoint or output file is damaged."""
+
+import hashlib
+import shutil
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
 from datasets import Dataset
+from peft import LoraConfig, get_peft_model
 
 from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.engine.blocks import find_blocks
 from hf_zo.optim import ZOSGD
+from hf_zo.parallel.mesh import build_mesh
 
 from tiny_models import lm_dataset, tiny_causal_lm
 
 
 def _config(tmp_path, **kw):
-    return ZOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+    return ZOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True, **kw)
+
+
+CONFIG_CASES = [
+    ({"zo_eps": 0.0}, "zo_eps must be > 0, got 0.0"),
+    ({"zo_eps": -1e-3}, "zo_eps must be > 0, got -0.001"),
+    ({"zo_optimizer": "adamw"}, "Unknown zo_optimizer 'adamw'; choose one of"),
+    ({"zo_noise": "uniform"}, "Unknown zo_noise 'uniform'; choose one of"),
+    ({"zo_num_perturbations": 0}, "zo_num_perturbations must be an integer >= 1, got 0"),
+    ({"zo_momentum": 1.5}, "zo_momentum must be in \\[0, 1\\), got 1.5"),
+    ({"zo_max_consecutive_skips": 0}, "zo_max_consecutive_skips must be an integer >= 1, got 0"),
+    ({"zo_engine": "parallel"}, "Unknown zo_engine 'parallel'; choose one of"),
+    ({"zo_offload": "gpu", "zo_engine": "dual"}, "zo_offload"),
+    ({"zo_offload": "disk"}, "zo_engine='dual'"),
+    ({"zo_offload_dir": "/tmp/x"}, "zo_offload_dir"),
+    ({"zo_perturbation_parallel_size": 0}, "zo_perturbation_parallel_size must be an integer >= 1, got 0"),
+    ({"zo_perturbation_parallel_size": 3}, "zo_perturbation_parallel_size \\(3\\) must divide"),
+    ({"zo_head_init": "random"}, "Unknown zo_head_init 'random'; choose one of"),
+    ({"zo_head_training": "second_order"}, "Unknown zo_head_training 'second_order'; choose one of"),
+    ({"zo_head_learning_rate": 0.0}, "zo_head_learning_rate must be > 0, got 0.0"),
+]
 
 
 @pytest.mark.parametrize(
-    "field, value, message",
-    [
-        ("zo_eps", 0.0, "zo_eps must be > 0, got 0.0"),
-        ("zo_eps", -1e-3, "zo_eps must be > 0, got -0.001"),
-        ("zo_optimizer", "adamw", "Unknown zo_optimizer 'adamw'; choose one of"),
-        ("zo_noise", "uniform", "Unknown zo_noise 'uniform'; choose one of"),
-        ("zo_num_perturbations", 0, "zo_num_perturbations must be an integer >= 1, got 0"),
-        ("zo_momentum", 1.5, "zo_momentum must be in \\[0, 1\\), got 1.5"),
-        ("zo_max_consecutive_skips", 0, "zo_max_consecutive_skips must be an integer >= 1, got 0"),
-    ],
+    "values, message", CONFIG_CASES, ids=[next(iter(v)) + "-" + str(i) for i, (v, _) in enumerate(CONFIG_CASES)]
 )
-def test_invalid_zo_config_values(tmp_path, field, value, message):
+def test_invalid_zo_config_values(tmp_path, values, message):
     with pytest.raises(ValueError, match=message):
-        _config(tmp_path, **{field: value})
+        _config(tmp_path, **values)
 
 
 def test_model_without_trainable_parameters(tmp_path):
@@ -49,8 +70,6 @@ def test_empty_dataset(tmp_path):
 
 
 def test_first_order_optimizer_is_rejected(tmp_path):
-    import torch
-
     model = tiny_causal_lm("opt")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="ZOTrainer needs a ZOOptimizer, got SGD"):
@@ -62,3 +81,134 @@ def test_optimizer_without_parameters():
         ZOSGD([], lr=0.1)
     with pytest.raises(ValueError, match="got no parameters: check that some have requires_grad=True"):
         ZOSGD([{"params": []}], lr=0.1)
+
+
+def test_negative_learning_rate():
+    with pytest.raises(ValueError, match="lr must be >= 0, got -0.1"):
+        ZOSGD([torch.nn.Parameter(torch.zeros(2))], lr=-0.1)
+
+
+def test_loss_closure_must_return_a_scalar():
+    weight = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="must return a scalar, got a tensor of shape \\(3,\\)"):
+        ZOSGD([weight], lr=0.1).step(lambda: weight * 2)
+
+
+def test_perturbation_parallel_size_must_divide_world_size():
+    with pytest.raises(ValueError, match="number of processes \\(1\\) must be a multiple of zo_perturbation_parallel"):
+        build_mesh(pertp_size=2, backend="gloo", timeout=timedelta(seconds=10))
+
+
+def test_unsupported_model_for_the_dual_engine():
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="Could not find the repeated blocks of Plain: looked for"):
+        find_blocks(Plain())
+
+
+def test_offload_dir_not_writable(tmp_path):
+    from hf_zo.offload.storage import DiskStorage
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="is not a writable folder"):
+        DiskStorage(str(blocker / "offload"))
+
+
+def test_offload_dir_full(tmp_path, monkeypatch):
+    from hf_zo.offload import storage
+
+    disk = storage.DiskStorage(str(tmp_path / "offload"))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 5))
+    with pytest.raises(OSError, match="has 0.0 MiB free but block 0 needs"):
+        disk.store_block(0, [("weight", torch.zeros(1000))])
+    assert list((tmp_path / "offload").iterdir()) == []
+
+
+def test_mismatched_peft_config(tmp_path):
+    with pytest.raises(ValueError, match="Target modules .*not found in the base model"):
+        get_peft_model(tiny_causal_lm("opt"), LoraConfig(r=4, target_modules=["query_key_value"]))
+
+
+# ---------------------------------------------------------------------------- resume from a wrong checkpoint
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trained")
+    args = ZOConfig(
+        output_dir=str(folder),
+        max_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4)).train()
+    return folder / "checkpoint-2"
+
+
+def _resume(tmp_path, checkpoint, model, **config):
+    before = _digest(checkpoint)
+    args = _config(tmp_path / "resumed", max_steps=4, per_device_train_batch_size=2, **config)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(4))
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    finally:
+        assert _digest(checkpoint) == before, "the checkpoint was modified"
+
+
+def test_resume_with_another_optimizer(tmp_path, checkpoint):
+    with pytest.raises(ValueError, match="written by ZOSGD but this run uses ZOAdam; resume with the same"):
+        _resume(tmp_path, checkpoint, tiny_causal_lm("opt"), zo_optimizer="zo_adam")
+
+
+def test_resume_with_another_noise(tmp_path, checkpoint):
+    with pytest.raises(ValueError, match="used zo_noise='gaussian' but this run uses 'rademacher'"):
+        _resume(tmp_path, checkpoint, tiny_causal_lm("opt"), zo_noise="rademacher")
+
+
+def test_resume_with_another_model(tmp_path, checkpoint):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    wider = OPTForCausalLM(
+        OPTConfig(
+            vocab_size=64,
+            hidden_size=48,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=48,
+        )
+    )
+    with pytest.raises(ValueError, match="was saved from a different model or adapter \\(size mismatch"):
+        _resume(tmp_path, checkpoint, wider)
+
+
+def test_resume_from_a_missing_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+        _resume(tmp_path, tmp_path / "nowhere", tiny_causal_lm("opt"))
+
+
+def test_non_finite_losses_stop_with_the_step(tmp_path):
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = ZOSGD([weight], lr=0.01, max_consecutive_skips=2)
+    optimizer.step(lambda: torch.tensor(float("inf")))
+    with pytest.raises(
+        FloatingPointError, match="2 consecutive ZO estimates had a non-finite loss \\(at optimizer step 1\\)"
+    ):
+        optimizer.step(lambda: torch.tensor(float("nan")))
+    torch.testing.assert_close(weight.detach(), torch.ones(3))

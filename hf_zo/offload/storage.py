@@ -71,7 +71,15 @@ class DiskStorage(BlockStorage):
     def __init__(self, directory: str | None = None):
         self._owns_directory = directory is None
         self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as error:
+            raise OSError(
+                f"zo_offload_dir {self.directory!r} is not a writable folder ({error.strerror or error}); choose a "
+                "folder you can write to, on a local disk with room for the model's blocks."
+            ) from None
         self.paths: list[str] = []
         if self._owns_directory:
             # Mapped files stay readable after unlinking, so the directory can go when the storage does.
@@ -82,6 +90,13 @@ class DiskStorage(BlockStorage):
         names = [name for name, _ in named_tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"Tensor names of block {block} must be unique, got {names}.")
+        needed = sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise OSError(
+                f"zo_offload_dir {self.directory!r} has {free / 2**20:.1f} MiB free but block {block} needs "
+                f"{needed / 2**20:.1f} MiB; free some space or choose another zo_offload_dir (or zo_offload='cpu')."
+            )
         save_file({name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, path)
         self.paths.append(path)
         return _map_safetensors(path, names)

@@ -198,6 +198,7 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.num_skipped += 1
         self.consecutive_skips += 1
         if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            self.flush()  # the weights the user may save after catching this are the restored ones
             raise FloatingPointError(
                 f"{self.consecutive_skips} consecutive ZO estimates had a non-finite loss (at optimizer step "
                 f"{self.zo_step}). Lower the learning rate or zo_eps, train in fp32/bf16 instead of fp16, or check "
