@@ -146,8 +146,8 @@ def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     offloader = offload_model(model, "disk", directory=str(tmp_path), device="cpu", offload_dtype="bfloat16")
     written = []
-    store = offloader.transport.store
-    offloader.transport.store = lambda pairs: (written.extend(view for view, _ in pairs), store(pairs))[1]
+    unload = offloader.transport.unload
+    offloader.transport.unload = lambda tensors, pairs: (written.extend(v for v, _ in pairs), unload(tensors, pairs))
     trainable_views = {
         id(view)
         for params, views in zip(offloader.params, offloader.views)

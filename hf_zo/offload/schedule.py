@@ -126,8 +126,7 @@ class BlockOffloader:
         working = self._resident.pop(b, None)
         if working is None:
             return
-        if write_back:
-            self.transport.store([(self.views[b][k], working[k]) for k in write_back])
+        self.transport.unload(working, [(self.views[b][k], working[k]) for k in write_back])
         for param, view in zip(self.params[b], self.views[b]):
             param.data = view
 

@@ -38,12 +38,17 @@ class ThreadTransport:
         """The working tensors of a :meth:`load`, once they are ready."""
         return handle.result()
 
-    def store(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start copying each working tensor into its storage view (``(view, working)`` pairs)."""
+    def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hand back a block's `working` tensors, first copying each ``(view, tensor)`` of `pairs` into storage.
+
+        The copies run on the background thread, which keeps the tensors alive until they are written.
+        """
+        if not pairs:
+            return
 
         def copy():
-            for view, working in pairs:
-                view.copy_(working)
+            for view, tensor in pairs:
+                view.copy_(tensor)
 
         self._last = self._pool.submit(copy)
 
@@ -80,19 +85,20 @@ class CudaTransport:
     def wait(self, handle: tuple) -> list[torch.Tensor]:
         """Make the compute stream wait for an upload and hand over its tensors."""
         tensors, event = handle
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(event)
-        for tensor in tensors:
-            tensor.record_stream(compute)
+        torch.cuda.current_stream(self.device).wait_event(event)
         return tensors
 
-    def store(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start downloading each working tensor into its pinned storage view, after the compute issued so far."""
+    def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hand back a block's `working` tensors, first downloading each ``(view, tensor)`` of `pairs` to storage.
+
+        The copy stream waits for the compute issued so far (every use of the block), so the working memory, which
+        was allocated on the copy stream, is reused in stream order by the next upload: at most `prefetch + 1`
+        blocks are ever allocated, with no `record_stream` on the compute stream holding freed blocks back.
+        """
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for view, working in pairs:
-                view.copy_(working, non_blocking=True)
-                working.record_stream(self._stream)
+            for view, tensor in pairs:
+                view.copy_(tensor, non_blocking=True)
 
     def synchronize(self) -> None:
         """Wait until every queued copy is done."""
