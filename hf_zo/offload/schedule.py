@@ -39,6 +39,11 @@ class BlockOffloader:
             Storage and transfer dtype of the *frozen* floating-point tensors (e.g. PEFT base weights), upcast to the
             parameter's dtype on arrival. Trainable tensors always keep their own dtype (full-precision masters),
             so updates are exact.
+
+    Attributes:
+        params (`list[list[nn.Parameter]]`): each block's parameters, in storage order.
+        views (`list[list[torch.Tensor]]`): their at-rest views in storage.
+        managed (`bool`): set by the dual engine while it drives `acquire`/`release`; the hooks then stand aside.
     """
 
     def __init__(
