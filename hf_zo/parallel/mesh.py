@@ -80,6 +80,8 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.distributed_c10d._set_pg_timeout(timeout)
