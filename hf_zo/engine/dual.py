@@ -10,7 +10,8 @@ offloader the block is fetched once, used by both passes, written back and relea
 
 Trainable tensors outside the blocks (embeddings, final norm, head, PEFT prompt encoders) are moved the same way,
 on demand, by forward pre-hooks on the modules that own them; a tensor used by several modules (tied embedding and
-LM head) keeps a copy of its ``+eps`` state so the ``+`` pass can come back to it exactly.
+LM head) keeps its ``+eps`` state in a second buffer, and the passes switch between the two states by swapping
+storage: exact, and without sweeps beyond the sequential engine's.
 
 Every tensor therefore goes through exactly the sweeps of the sequential engine, in the same order, and every
 forward runs the same kernels on the same shapes: in fp32 the losses, projected gradients and weights are bitwise
@@ -47,7 +48,7 @@ class _Unit:
         self.reentrant = reentrant
         self.sign = 0
         self.visited = False  # blocks: reached by the passes in the current estimate
-        self.plus_copy: list[torch.Tensor] | None = None
+        self.alternate: list[torch.Tensor] | None = None
         self.base_copy: list[torch.Tensor] | None = None
 
 
@@ -242,14 +243,16 @@ class DualEngine:
             if sign == +1:
                 return
         if unit.sign == +1:
-            if unit.reentrant:
-                unit.plus_copy = [t.detach().clone() for t in self._tensors(unit)]
-            self._apply(unit, [NoiseUpdate(terms={seed: -2.0 * eps}) for _ in unit.positions])
+            if unit.alternate is not None:
+                self._swap(unit)
+            else:
+                if unit.reentrant:
+                    unit.alternate = [t.detach().clone() for t in self._tensors(unit)]
+                self._apply(unit, [NoiseUpdate(terms={seed: -2.0 * eps}) for _ in unit.positions])
             unit.sign = -1
             return
-        if unit.plus_copy is not None:
-            for tensor, saved in zip(self._tensors(unit), unit.plus_copy):
-                tensor.data.copy_(saved)
+        if unit.alternate is not None:
+            self._swap(unit)
         else:
             if not self._warned_inexact:
                 logger.warning(
@@ -259,6 +262,14 @@ class DualEngine:
                 self._warned_inexact = True
             self._apply(unit, [NoiseUpdate(terms={seed: 2.0 * eps}) for _ in unit.positions])
         unit.sign = +1
+
+    def _swap(self, unit: _Unit) -> None:
+        """Exchange the tensors' storage with the saved state of the other sign (the tensors' own storage always
+        holds the ``-`` state, so a unit finishes in it)."""
+        current = [t.data for t in self._tensors(unit)]
+        for tensor, saved in zip(self._tensors(unit), unit.alternate):
+            tensor.data = saved
+        unit.alternate = current
 
     def _finish(self, unit: _Unit) -> None:
         """After both passes: restore (pending ``+eps z``, or from the exact copy) and return the block to storage."""
@@ -273,6 +284,9 @@ class DualEngine:
 
     def _abort(self, unit: _Unit) -> None:
         """After a failure: leave `unit` at its unperturbed values (pending), whatever state it was in."""
+        if unit.sign == +1 and unit.alternate is not None:  # back to the tensors' own storage, at the - state
+            self._swap(unit)
+            unit.sign = -1
         if unit.sign != 0:
             if unit.base_copy is not None:
                 for tensor, saved in zip(self._tensors(unit), unit.base_copy):
@@ -284,7 +298,7 @@ class DualEngine:
 
     def _release(self, unit: _Unit) -> None:
         unit.sign = 0
-        unit.plus_copy = unit.base_copy = None
+        unit.alternate = unit.base_copy = None
         if unit.block is not None and self.offloader is not None:
             self.offloader.release(unit.block, self._write_back[unit.block])
 
