@@ -209,6 +209,11 @@ class ZOTrainer(Trainer):
         perturbation-parallel group see the same batches."""
         return self.zo_plugin.prepare_data_loader(super().get_train_dataloader())
 
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Examples per optimizer step: the ranks of a perturbation-parallel group share theirs, so only the
+        data-parallel groups multiply the batch."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.zo_plugin.setup().dp_size
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Never wrap the model for gradient synchronisation: ZO replicas exchange scalars (`zo_plugin`), and DDP
         would allocate and all-reduce model-sized gradient buckets for nothing."""

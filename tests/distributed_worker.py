@@ -123,7 +123,12 @@ def train(
     done = steps - (int(resume.rsplit("-", 1)[1]) if resume else 0)
     stats = trainer.zo_plugin.comm_stats.as_dict()
     params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"params": params, "bytes_per_step": stats["bytes_sent"] / done, "calls_per_step": stats["calls"] / done}
+    return {
+        "params": params,
+        "bytes_per_step": stats["bytes_sent"] / done,
+        "calls_per_step": stats["calls"] / done,
+        "total_batch": trainer.get_total_train_batch_size(args),
+    }
 
 
 def run_scenario(scenario: str, out: Path) -> dict:

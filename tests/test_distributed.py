@@ -132,6 +132,14 @@ def test_training_moved_the_weights(reference):
     assert not torch.equal(moved, moved_more)
 
 
+@pytest.mark.multiprocess
+def test_total_batch_counts_data_parallel_groups_only(pertp2, dp2, mesh2x2):
+    # per_device_train_batch_size=2: PertP ranks share their batch, DP groups add theirs.
+    assert [rank["runs"]["full"]["total_batch"] for rank in pertp2] == [2, 2]
+    assert [rank["runs"]["full"]["total_batch"] for rank in dp2] == [4, 4]
+    assert [rank["runs"]["full"]["total_batch"] for rank in mesh2x2] == [4, 4, 4, 4]
+
+
 # ---------------------------------------------------------------------------------------------------- communication
 
 
