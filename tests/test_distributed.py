@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_zo import ZOConfig
-from hf_zo.optim import ZOSGD
+from hf_zo.optim import ZOSGD, ZOSGDConservative
 from hf_zo.parallel import DistZOPlugin, ZOMesh
 from hf_zo.parallel.estimation import ParallelEstimation
 
@@ -237,3 +237,15 @@ def test_strategy_rejects_a_pertp_size_that_does_not_divide_the_forwards():
     strategy = ParallelEstimation(ZOMesh(dp_size=1, pertp_size=4), collectives=None)
     with pytest.raises(ValueError, match="\\(4\\) must divide the 2 signed forwards"):
         strategy.check(optimizer)
+
+
+def test_strategy_rejects_layouts_the_replicas_cannot_agree_on():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    data_parallel = ParallelEstimation(ZOMesh(dp_size=2, pertp_size=1), collectives=None)
+    with pytest.raises(ValueError, match="zo_sgd_cons chooses its update from the loss on each rank's own"):
+        data_parallel.check(ZOSGDConservative(params, lr=0.1))
+    optimizer = ZOSGD(params, lr=0.1)
+    optimizer.engine = object()  # what ZOOptimizer.attach_engine sets for zo_engine="dual" / zo_offload
+    with pytest.raises(ValueError, match="not combined with a multi-process layout yet"):
+        data_parallel.estimate(optimizer, lambda: 0.0)
+    assert torch.equal(params[0], torch.zeros(3))  # refused before touching the parameters

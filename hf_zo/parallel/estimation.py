@@ -18,6 +18,7 @@ import torch
 
 from ..estimator import ZORecord, _as_float, make_record
 from ..optim.base import Closure, ZOOptimizer
+from ..optim.sgd import ZOSGDConservative
 from .collectives import ScalarCollectives
 from .mesh import ZOMesh
 
@@ -46,7 +47,7 @@ class ParallelEstimation:
                 f"of a micro-batch (2 * zo_num_perturbations = 2 * {optimizer.num_perturbations}); use a divisor of "
                 f"{forwards} or raise zo_num_perturbations."
             )
-        if self.mesh.dp_size > 1 and type(optimizer).__name__ == "ZOSGDConservative":
+        if self.mesh.dp_size > 1 and isinstance(optimizer, ZOSGDConservative):
             raise ValueError(
                 "zo_sgd_cons chooses its update from the loss on each rank's own last batch, so data-parallel "
                 f"replicas (dp={self.mesh.dp_size}) would diverge; use another zo_optimizer or "
