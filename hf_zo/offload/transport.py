@@ -12,6 +12,7 @@ finishes before that load reads), so the schedule in :mod:`hf_zo.offload.schedul
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,17 +20,35 @@ import torch
 
 
 class ThreadTransport:
-    """Moves tensors between storage and CPU working tensors on one background thread."""
+    """Moves tensors between storage and CPU working tensors on one background thread.
+
+    Working tensors of released blocks are recycled for the next loads (blocks usually share their shapes), so a
+    step allocates no new block memory and touches no fresh pages: at most `prefetch + 1` blocks' worth is held.
+    """
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zo_offload")
         self._last: Future | None = None
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._free_lock = threading.Lock()
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        with self._free_lock:
+            recycled = self._free.get((shape, dtype))
+            if recycled:
+                return recycled.pop()
+        return torch.empty(shape, dtype=dtype)
+
+    def _recycle(self, tensors: Sequence[torch.Tensor]) -> None:
+        with self._free_lock:
+            for tensor in tensors:
+                self._free.setdefault((tensor.shape, tensor.dtype), []).append(tensor)
 
     def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> Future:
-        """Start copying `sources` into new working tensors of `dtypes`; returns a handle for :meth:`wait`."""
+        """Start copying `sources` into working tensors of `dtypes`; returns a handle for :meth:`wait`."""
 
         def copy():
-            return [torch.empty(s.shape, dtype=d).copy_(s) for s, d in zip(sources, dtypes)]
+            return [self._empty(s.shape, d).copy_(s) for s, d in zip(sources, dtypes)]
 
         self._last = self._pool.submit(copy)
         return self._last
@@ -41,14 +60,16 @@ class ThreadTransport:
     def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hand back a block's `working` tensors, first copying each ``(view, tensor)`` of `pairs` into storage.
 
-        The copies run on the background thread, which keeps the tensors alive until they are written.
+        The copies run on the background thread, in order with the loads; the tensors are recycled once written.
         """
         if not pairs:
+            self._recycle(working)
             return
 
         def copy():
             for view, tensor in pairs:
                 view.copy_(tensor)
+            self._recycle(working)
 
         self._last = self._pool.submit(copy)
 
@@ -59,8 +80,9 @@ class ThreadTransport:
             self._last = None
 
     def close(self) -> None:
-        """Finish the queued copies and stop the thread."""
+        """Finish the queued copies, stop the thread and free the recycled tensors."""
         self._pool.shutdown(wait=True)
+        self._free.clear()
 
 
 class CudaTransport:
