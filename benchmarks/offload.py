@@ -133,7 +133,7 @@ def time_steps(optimizer, closure, warmup: int, steps: int, synchronize=lambda: 
 def cpu_worker(shape: str, engine: str, batch: int, length: int, steps: int, warmup: int, prefetch: int) -> dict:
     import torch
 
-    from hf_zo.engine.setup import offload_model
+    from hf_zo.engine import offload_model
 
     start = anonymous_rss()
     model = build_model(shape)
@@ -169,7 +169,7 @@ def cpu_worker(shape: str, engine: str, batch: int, length: int, steps: int, war
 def gpu_worker(engine: str, prefetch: int, batch: int, length: int, steps: int, warmup: int) -> dict:
     import torch
 
-    from hf_zo.engine.setup import offload_model
+    from hf_zo.engine import offload_model
 
     device = torch.device("cuda")
     model = build_model("opt-1.3b", dtype=torch.bfloat16)

@@ -13,8 +13,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
 from hf_zo import ZOConfig, ZOTrainer
-from hf_zo.engine import DualEngine, find_blocks
-from hf_zo.engine.setup import offload_model
+from hf_zo.engine import DualEngine, find_blocks, offload_model
 from hf_zo.optim import ZOSGD
 
 from tiny_models import lm_dataset, tiny_causal_lm
@@ -205,7 +204,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     import torch
     from transformers import OPTConfig, OPTForCausalLM
     from hf_zo.engine import DualEngine
-    from hf_zo.engine.setup import offload_model
+    from hf_zo.engine import offload_model
     from hf_zo.optim import ZOSGD
 
     def anonymous_rss():

@@ -8,8 +8,9 @@
 
 from .blocks import BlocksNotFoundError, find_blocks
 from .dual import DualEngine
+from .setup import offload_model
 
 ZO_ENGINES = ("sequential", "dual")
 """The engines selectable by name (`ZOConfig.zo_engine`)."""
 
-__all__ = ["BlocksNotFoundError", "DualEngine", "ZO_ENGINES", "find_blocks"]
+__all__ = ["BlocksNotFoundError", "DualEngine", "ZO_ENGINES", "find_blocks", "offload_model"]
