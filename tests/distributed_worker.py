@@ -142,19 +142,25 @@ def run_scenario(scenario: str, out: Path) -> dict:
         checkpoint = str(out / "full" / "checkpoint-2")
         runs["resumed"] = train(out, "resumed", tiny_causal_lm("opt"), resume=checkpoint)
         runs["wide"] = train(out, "wide", wide_opt(128), steps=2)
-    elif scenario in ("dp2", "2x2"):
+    elif scenario == "2x2":
+        # The layout comes from ZOConfig here (the other launches use HF_ZO_PERTURBATION_PARALLEL_SIZE).
+        runs["full"] = train(out, "full", tiny_causal_lm("opt"), zo_perturbation_parallel_size=2)
+        runs["pertp4_q2"] = train(
+            out, "pertp4", tiny_causal_lm("opt"), zo_perturbation_parallel_size=4, zo_num_perturbations=2
+        )
+    elif scenario == "dp2":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
-        if scenario == "dp2":
-            runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
-            classify = dict(dataset=classification_dataset(32), steps=2)
-            runs["bert"] = train(out, "bert", tiny_bert_classifier(), zo_head_training="zeroth_order", **classify)
-            try:
-                train(out, "bert_first_order", tiny_bert_classifier(), zo_head_training="first_order", **classify)
-            except ValueError as error:
-                runs["first_order_head_error"] = str(error)
+        runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        classify = dict(dataset=classification_dataset(32), steps=2)
+        runs["bert"] = train(out, "bert", tiny_bert_classifier(), zo_head_training="zeroth_order", **classify)
+        try:
+            train(out, "bert_first_order", tiny_bert_classifier(), zo_head_training="first_order", **classify)
+        except ValueError as error:
+            runs["first_order_head_error"] = str(error)
     elif scenario == "reference":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
+        runs["full_q2"] = train(out, "full_q2", tiny_causal_lm("opt"), zo_num_perturbations=2)
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
     elif scenario == "hang":
         train(out, "hang", tiny_causal_lm("opt"), callbacks=[HangAtStep(1)] if rank == 1 else None)

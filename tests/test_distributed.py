@@ -88,9 +88,9 @@ def dp2(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def mesh2x2(tmp_path_factory) -> list[dict]:
-    """torchrun, 4 processes, DP = 2 x PertP = 2."""
+    """torchrun, 4 processes: DP = 2 x PertP = 2, then PertP = 4 with 2 perturbations (layouts from ZOConfig)."""
     out = tmp_path_factory.mktemp("mesh2x2")
-    return _launch(_torchrun(4, "2x2", out), out, 4, HF_ZO_PERTURBATION_PARALLEL_SIZE="2")
+    return _launch(_torchrun(4, "2x2", out), out, 4)
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
@@ -122,6 +122,14 @@ def test_data_parallel_classifier_replicas_agree_and_first_order_head_is_refused
 def test_2d_mesh_equals_gradient_accumulation_on_every_rank(mesh2x2, reference):
     for rank in mesh2x2:
         _assert_bitwise_equal(rank["runs"]["full"]["params"], reference["full_accumulate2"]["params"])
+
+
+@pytest.mark.multiprocess
+def test_four_way_perturbation_parallelism_splits_two_perturbations(mesh2x2, reference):
+    # 2 perturbations = 4 signed forwards, one per rank.
+    for rank in mesh2x2:
+        _assert_bitwise_equal(rank["runs"]["pertp4_q2"]["params"], reference["full_q2"]["params"])
+        assert rank["runs"]["pertp4_q2"]["bytes_per_step"] == 8 * 3  # one loss to each of 3 peers
 
 
 @pytest.mark.multiprocess
