@@ -226,6 +226,10 @@ def test_plugin_rejects_bad_values():
         DistZOPlugin(perturbation_parallel_size=0)
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
         DistZOPlugin(backend="mpi")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_ZO_TIMEOUT", "ten")
+        with pytest.raises(ValueError, match="HF_ZO_TIMEOUT must be a valid float, got 'ten'"):
+            DistZOPlugin()
     with pytest.raises(ValueError, match="must divide the 2 \\* zo_num_perturbations = 2"):
         ZOConfig(output_dir="unused", zo_perturbation_parallel_size=4)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,8 +14,6 @@ from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
-
-logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
@@ -43,6 +40,10 @@ class DistZOPlugin:
         timeout_seconds (`float`, *optional*):
             Bound on every collective: a dead or hung rank makes the others fail after this long instead of
             hanging. Environment: `HF_ZO_TIMEOUT`; default 1800 (the `ddp_timeout` of `TrainingArguments`).
+
+    Attributes:
+        mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
+        collectives (`ScalarCollectives`): the counted collectives of the mesh, once :meth:`setup` has run.
     """
 
     perturbation_parallel_size: int | None = None
@@ -53,11 +54,11 @@ class DistZOPlugin:
 
     def __post_init__(self):
         if self.perturbation_parallel_size is None:
-            self.perturbation_parallel_size = int(os.environ.get(ENV_PREFIX + "PERTURBATION_PARALLEL_SIZE", 1))
+            self.perturbation_parallel_size = _from_env("PERTURBATION_PARALLEL_SIZE", int, 1)
         if self.backend is None:
-            self.backend = os.environ.get(ENV_PREFIX + "BACKEND") or default_backend()
+            self.backend = _from_env("BACKEND", str, None) or default_backend()
         if self.timeout_seconds is None:
-            self.timeout_seconds = float(os.environ.get(ENV_PREFIX + "TIMEOUT", DEFAULT_TIMEOUT_SECONDS))
+            self.timeout_seconds = _from_env("TIMEOUT", float, DEFAULT_TIMEOUT_SECONDS)
         if not isinstance(self.perturbation_parallel_size, int) or self.perturbation_parallel_size < 1:
             raise ValueError(
                 f"perturbation_parallel_size must be an integer >= 1, got {self.perturbation_parallel_size!r}."
@@ -75,16 +76,15 @@ class DistZOPlugin:
         something else must agree with it.
         """
         size = args.zo_perturbation_parallel_size
-        env_size = os.environ.get(ENV_PREFIX + "PERTURBATION_PARALLEL_SIZE")
-        if size != 1 and env_size is not None and int(env_size) != size:
+        env_size = _from_env("PERTURBATION_PARALLEL_SIZE", int, None)
+        if size != 1 and env_size is not None and env_size != size:
             raise ValueError(
                 f"zo_perturbation_parallel_size={size} disagrees with HF_ZO_PERTURBATION_PARALLEL_SIZE={env_size}; "
                 "set only one of them."
             )
-        env_timeout = os.environ.get(ENV_PREFIX + "TIMEOUT")
         return cls(
             perturbation_parallel_size=None if size == 1 else size,
-            timeout_seconds=float(env_timeout) if env_timeout is not None else float(args.ddp_timeout),
+            timeout_seconds=_from_env("TIMEOUT", float, float(args.ddp_timeout)),
         )
 
     # ------------------------------------------------------------------ layout
@@ -139,3 +139,14 @@ class DistZOPlugin:
         """Destroy the process groups now (also done automatically at interpreter exit)."""
         destroy_process_group()
         self.mesh = None
+
+
+def _from_env(name: str, cast: type, default):
+    """The value of environment variable ``HF_ZO_{name}`` converted by `cast`, or `default` if it is unset."""
+    value = os.environ.get(ENV_PREFIX + name)
+    if value is None:
+        return default
+    try:
+        return cast(value)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name} must be a valid {cast.__name__}, got {value!r}.") from None
