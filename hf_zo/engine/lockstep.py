@@ -5,11 +5,13 @@ for them, and it must not re-implement any model's forward. Each pass therefore 
 its own thread; a forward pre-hook on every block stops the pass at the block's entrance (a *checkpoint*) and hands
 control back to a coordinator, which prepares the block for the next pass and resumes it. Exactly one thread runs
 at any time, so the passes see the same shapes and kernels as the sequential engine (bitwise-equal fp32 losses) and
-no state is touched concurrently.
+no state is touched concurrently. The caller's grad mode, inference mode, context variables and CUDA device and
+stream are carried into the pass threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import queue
 import threading
@@ -49,27 +51,38 @@ class LockstepPass:
         self._arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._resume = threading.Semaphore(0)
         self._abort = False
+        self._ended = False
         self._context = contextvars.copy_context()
         self._grad_enabled = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
+        # Thread-local CUDA state: the passes compute on the caller's device and stream.
+        cuda_ready = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._stream = torch.cuda.current_stream() if cuda_ready else None
         self._thread = threading.Thread(target=self._run, name=f"hf_zo_pass{sign:+d}", daemon=True)
 
     def start(self) -> Arrival:
         """Start the pass and return where it first stops."""
         self._thread.start()
-        return self._arrivals.get()
+        return self._next_arrival()
 
     def resume(self) -> Arrival:
         """Let the pass run to its next checkpoint (or its end) and return where it stopped."""
         self._resume.release()
-        return self._arrivals.get()
+        return self._next_arrival()
+
+    def _next_arrival(self) -> Arrival:
+        arrival = self._arrivals.get()
+        self._ended = arrival.block is None
+        return arrival
 
     def abort(self) -> None:
-        """Unwind a pass that is stopped at a checkpoint, and wait for its thread to end."""
-        if self._thread.is_alive():
+        """Unwind a pass that has not reported its end yet, and wait for its thread to finish."""
+        if self._thread.ident is None:  # never started
+            return
+        if not self._ended:
             self._abort = True
             self._resume.release()
-            self._arrivals.get()
+            self._next_arrival()
         self._thread.join()
 
     def checkpoint(self, block: int) -> None:
@@ -82,7 +95,10 @@ class LockstepPass:
     def _run(self) -> None:
         _current.active = self
         try:
-            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad_enabled):
+            if self._stream is not None:
+                torch.cuda.set_device(self._stream.device)
+            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad_enabled), stream:
                 result = self._context.run(self._closure)
             arrival = Arrival(None, result=result)
         except BaseException as error:  # handed to the coordinator, which re-raises it in the caller's thread
