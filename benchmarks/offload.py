@@ -1,11 +1,11 @@
 """Step time and peak memory of the sequential engine, the dual engine and the dual engine with offloaded blocks.
 
-CPU section (always). For each shape, one fresh process per engine builds a random OPT in fp32, runs a few ZO-SGD
-steps after a warm-up, and reports the median and minimum seconds per step (ratios use the minimum, the step
-least disturbed by other load) and the peak anonymous resident memory above the
-process's size before the model was built (the disk tier's blocks are file-backed pages, so they do not count;
-its blocks total is printed next to it). Engines: `sequential`, `dual`, `dual+disk` (warm page cache). Target:
-`dual+disk` step time <= 1.25x `dual`.
+CPU section (always). For each shape (random OPT, fp32) and engine (`sequential`, `dual`, `dual+disk` with a warm
+page cache): the median and minimum seconds per ZO-SGD step, measured in one process that interleaves the three
+engines step by step so that all see the same machine load (ratios use the minimum, the least disturbed step); and,
+in a fresh process per engine, the peak anonymous resident memory over two steps above the process's size before
+the model was built (the disk tier's blocks are file-backed pages and do not count; their total is printed next to
+it). Target: `dual+disk` step time <= 1.25x `dual`.
 
 GPU section (only when CUDA is available). A ~1.3B-parameter random OPT in bf16: the dual engine with every block
 resident on the GPU, against `dual+cpu` (blocks in pinned host memory) with prefetch 1 and with prefetch 0 (no
@@ -130,7 +130,35 @@ def time_steps(optimizer, closure, warmup: int, steps: int, synchronize=lambda: 
 # ---------------------------------------------------------------------------------------------------- workers
 
 
-def cpu_worker(shape: str, engine: str, batch: int, length: int, steps: int, warmup: int, prefetch: int) -> dict:
+def cpu_timing_worker(shape: str, batch: int, length: int, steps: int, warmup: int, prefetch: int) -> dict:
+    """Seconds per step of every CPU engine, interleaved step by step so that all see the same machine load."""
+    import torch
+
+    from hf_zo.engine import offload_model
+
+    ids = torch.randint(2, SHAPES[shape]["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for engine in CPU_ENGINES:
+        model = build_model(shape)
+        offloader = offload_model(model, "disk", device="cpu", prefetch=prefetch) if engine == "dual+disk" else None
+        runs[engine] = (
+            make_optimizer(model, engine, offloader),
+            lambda model=model: model(input_ids=ids, labels=ids).loss,
+        )
+    times = {engine: [] for engine in CPU_ENGINES}
+    for step in range(warmup + steps):
+        order = CPU_ENGINES[step % len(CPU_ENGINES) :] + CPU_ENGINES[: step % len(CPU_ENGINES)]
+        for engine in order:
+            optimizer, closure = runs[engine]
+            start = time.perf_counter()
+            optimizer.step(closure)
+            if step >= warmup:
+                times[engine].append(time.perf_counter() - start)
+    return {engine: (statistics.median(t), min(t)) for engine, t in times.items()}
+
+
+def cpu_memory_worker(shape: str, engine: str, batch: int, length: int, prefetch: int) -> dict:
+    """Peak anonymous memory of one engine over two steps, above the process's size before the model was built."""
     import torch
 
     from hf_zo.engine import offload_model
@@ -138,29 +166,17 @@ def cpu_worker(shape: str, engine: str, batch: int, length: int, steps: int, war
     start = anonymous_rss()
     model = build_model(shape)
     block, resident = block_and_resident_bytes(model)
-    num_blocks = SHAPES[shape]["num_hidden_layers"]
     offloader = offload_model(model, "disk", device="cpu", prefetch=prefetch) if engine == "dual+disk" else None
     optimizer = make_optimizer(model, engine, offloader)
     ids = torch.randint(2, SHAPES[shape]["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(0))
-
-    def closure():
-        return model(input_ids=ids, labels=ids).loss
-
     sampler = PeakSampler()
-    step_s, min_step_s = time_steps(optimizer, closure, warmup, steps)
+    for _ in range(2):
+        optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)
     optimizer.flush()
     peak = sampler.stop()
     return dict(
-        section="cpu",
-        shape=shape,
-        engine=engine,
-        batch=batch,
-        length=length,
-        prefetch=prefetch if engine == "dual+disk" else None,
-        step_s=round(step_s, 4),
-        min_step_s=round(min_step_s, 4),
         peak_anon_mib=round((peak - start) / 2**20, 1),
-        blocks_mib=round(block * num_blocks / 2**20, 1),
+        blocks_mib=round(block * SHAPES[shape]["num_hidden_layers"] / 2**20, 1),
         block_mib=round(block / 2**20, 2),
         resident_mib=round(resident / 2**20, 1),
     )
@@ -208,6 +224,8 @@ def gpu_worker(engine: str, prefetch: int, batch: int, length: int, steps: int, 
     )
 
 
+WORKERS = {"cpu_timing": cpu_timing_worker, "cpu_memory": cpu_memory_worker, "gpu": gpu_worker}
+
 # ---------------------------------------------------------------------------------------------------- driver
 
 
@@ -224,18 +242,23 @@ def run_worker(kind: str, **kwargs) -> dict:
 
 
 def cpu_section(args) -> None:
+    common = dict(batch=args.batch, length=args.length, prefetch=args.prefetch)
     for shape in args.sizes:
+        timing = run_worker("cpu_timing", shape=shape, steps=args.steps, warmup=args.warmup, **common)
         results = {}
         for engine in CPU_ENGINES:
-            results[engine] = run_worker(
-                "cpu",
+            memory = run_worker("cpu_memory", shape=shape, engine=engine, **common)
+            median, minimum = timing[engine]
+            results[engine] = dict(
+                section="cpu",
                 shape=shape,
                 engine=engine,
                 batch=args.batch,
                 length=args.length,
-                steps=args.steps,
-                warmup=args.warmup,
-                prefetch=args.prefetch,
+                prefetch=args.prefetch if engine == "dual+disk" else None,
+                step_s=round(median, 4),
+                min_step_s=round(minimum, 4),
+                **memory,
             )
             print(json.dumps(results[engine]), flush=True)
         summary = dict(
@@ -292,12 +315,11 @@ def main() -> None:
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--gpu-batch", type=int, default=8)
     parser.add_argument("--gpu-length", type=int, default=512)
-    parser.add_argument("--worker", choices=["cpu", "gpu"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-args", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker = cpu_worker if args.worker == "cpu" else gpu_worker
-        print(json.dumps(worker(**json.loads(args.worker_args))))
+        print(json.dumps(WORKERS[args.worker](**json.loads(args.worker_args))))
         return
     if args.quick:
         args.sizes, args.steps, args.warmup = ["tiny", "small"], 3, 1
