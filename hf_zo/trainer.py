@@ -116,6 +116,7 @@ class ZOTrainer(Trainer):
         self.zo_trajectory_callback = ZOTrajectoryCallback()
         self.add_callback(self.zo_trajectory_callback)
         self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
+        self.zo_plugin.setup()  # fails now, not at train(), on a bad layout; destroys the process groups at exit
         if self.optimizer is not None:
             self.zo_plugin.prepare_optimizer(self.zo_optimizer)
             self._attach_zo_engine(self.zo_optimizer)
