@@ -281,3 +281,14 @@ def test_failure_mid_estimate_writes_blocks_back_and_restores(tmp_path):
     assert not offloader.busy_blocks
     optimizer.flush()
     assert all(torch.allclose(p, b, rtol=0, atol=1e-6) for p, b in zip(model.parameters(), before))
+
+
+def test_peft_after_offload_is_refused(tmp_path):
+    model = tiny_causal_lm("opt")
+    offloader = offload_model(model, "disk", directory=str(tmp_path), device="cpu")
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    optimizer = ZOSGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-3)
+    optimizer.attach_engine(DualEngine(model, offloader=offloader))
+    ids = torch.randint(2, 64, (2, 8))
+    with pytest.raises(RuntimeError, match="Block 0 has parameters that were not offloaded"):
+        optimizer.estimate(lambda: model(input_ids=ids, labels=ids).loss)

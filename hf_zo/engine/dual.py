@@ -107,7 +107,14 @@ class DualEngine:
         in_blocks = set()
         self._block_units, self._write_back = [], []
         for b, block in enumerate(self.blocks):
-            block_params = self.offloader.params[b] if self.offloader is not None else list(block.parameters())
+            block_params = list(block.parameters())
+            if self.offloader is not None:
+                if {id(p) for p in block_params} != {id(p) for p in self.offloader.params[b]}:
+                    raise RuntimeError(
+                        f"Block {b} has parameters that were not offloaded: the model changed after offload_model "
+                        "(e.g. get_peft_model was applied afterwards). Wrap the model first, then offload it."
+                    )
+                block_params = self.offloader.params[b]
             found = [(k, position_of[id(p)]) for k, p in enumerate(block_params) if id(p) in position_of]
             self._block_units.append(_Unit([pos for _, pos in found], block=b))
             self._write_back.append([k for k, _ in found])
