@@ -64,7 +64,10 @@ class ZOMesh:
 
 
 def default_backend() -> str:
-    """NCCL when this process drives a CUDA device (and `ACCELERATE_USE_CPU` is not set), gloo otherwise."""
+    """The backend of the process group already joined (e.g. by Accelerate); else NCCL when this process drives a
+    CUDA device (and `ACCELERATE_USE_CPU` is not set), gloo otherwise."""
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
     return "nccl" if torch.cuda.is_available() and not use_cpu else "gloo"
 
