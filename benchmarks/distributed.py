@@ -9,7 +9,8 @@ Prints one JSON line per layout:
 - ``dp2_two_nodes_loopback``: the DP=2 run launched as two `torchrun` "nodes" (``--nnodes 2 --node_rank 0/1``)
   meeting on 127.0.0.1.
 
-Each line carries ``step_s`` (median wall time of an optimizer step), ``tokens_per_s``, ``speedup`` (against the
+Each line carries ``step_s`` (median wall time of an optimizer step) and ``step_s_min`` (the fastest, less sensitive
+to other load on the machine), ``tokens_per_s`` (from the median), ``speedup`` and ``speedup_min`` (against the
 single process with the same tokens per step), ``zo_bytes_sent_per_step`` (counted by the plugin's collectives, per
 rank) and, for the same model, ``ddp_grad_bytes`` (the fp32 gradient a first-order DDP step all-reduces) and
 ``ddp_ring_bytes_sent_per_rank`` (what a ring all-reduce of it sends from each rank: ``2 (n - 1) / n`` times that).
@@ -102,6 +103,7 @@ def worker(args: argparse.Namespace) -> None:
                     "trainable_params": numel,
                     "tokens_per_step": tokens,
                     "step_s": round(step_s, 4),
+                    "step_s_min": round(min(times[args.warmup :]), 4),
                     "tokens_per_s": round(tokens / step_s, 1),
                     "zo_bytes_sent_per_step": plugin.comm_stats.bytes_sent / args.steps,
                     "ddp_grad_bytes": grad_bytes,
@@ -201,6 +203,7 @@ def main() -> None:
     ]
     for result, reference in runs:
         result["speedup"] = round(reference["step_s"] / result["step_s"], 3)
+        result["speedup_min"] = round(reference["step_s_min"] / result["step_s_min"], 3)
         print(json.dumps(result), flush=True)
 
 
