@@ -75,6 +75,9 @@ class ZOConfig(TrainingArguments):
             signed forwards (so it must divide that number); the launched processes form `processes / p` data-parallel
             groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
             the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
+        zo_verify_replicas_steps (`int`, *optional*, defaults to `0`):
+            Every this many steps, the processes compare a checksum of their trainable parameters (8 bytes each) and
+            stop with an error naming the step if the replicas are no longer bit-identical. 0 never checks.
 
     Parameters that control the execution engine and offload (ZO2):
 
@@ -138,6 +141,9 @@ class ZOConfig(TrainingArguments):
     )
     zo_perturbation_parallel_size: int = field(
         default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
+    )
+    zo_verify_replicas_steps: int = field(
+        default=0, metadata={"help": "Compare the replicas' parameter checksums every N steps (0: never)."}
     )
     zo_engine: str = field(
         default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
@@ -219,6 +225,10 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_head_learning_rate must be > 0, got {self.zo_head_learning_rate!r}.")
         if self.zo_head_init_max_samples is not None and self.zo_head_init_max_samples < 1:
             raise ValueError(f"zo_head_init_max_samples must be >= 1 or None, got {self.zo_head_init_max_samples!r}.")
+        if not isinstance(self.zo_verify_replicas_steps, int) or self.zo_verify_replicas_steps < 0:
+            raise ValueError(
+                f"zo_verify_replicas_steps must be an integer >= 0 (0: off), got {self.zo_verify_replicas_steps!r}."
+            )
         if not isinstance(self.zo_perturbation_parallel_size, int) or self.zo_perturbation_parallel_size < 1:
             raise ValueError(
                 f"zo_perturbation_parallel_size must be an integer >= 1, got {self.zo_perturbation_parallel_size!r}."

@@ -27,6 +27,7 @@ from .engine.setup import offload_model
 from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
+from .parallel.verify import ReplicaCheckCallback
 from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 
 logger = logging.get_logger(__name__)
@@ -117,6 +118,12 @@ class ZOTrainer(Trainer):
         self.add_callback(self.zo_trajectory_callback)
         self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
         self.zo_plugin.setup()  # fails now, not at train(), on a bad layout; destroys the process groups at exit
+        if self.args.zo_verify_replicas_steps and self.zo_plugin.is_distributed:
+            self.add_callback(
+                ReplicaCheckCallback(
+                    self.args.zo_verify_replicas_steps, self.zo_plugin.collectives, lambda: self.zo_optimizer
+                )
+            )
         if self.optimizer is not None:
             self.zo_plugin.prepare_optimizer(self.zo_optimizer)
             self._attach_zo_engine(self.zo_optimizer)

@@ -72,6 +72,18 @@ def lora(model: torch.nn.Module) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+class DivergeAtStep(TrainerCallback):
+    """Simulates a replica that drifts: nudges one weight after `step` steps (on the rank it is given to)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).view(-1)[0] += 1e-3
+
+
 class HangAtStep(TrainerCallback):
     """Simulates a hung rank: stops answering after `step` steps."""
 
@@ -150,6 +162,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         )
     elif scenario == "dp2":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
+        runs["verified"] = train(out, "verified", tiny_causal_lm("opt"), zo_verify_replicas_steps=1)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
         classify = dict(dataset=classification_dataset(32), steps=2)
         runs["bert"] = train(out, "bert", tiny_bert_classifier(), zo_head_training="zeroth_order", **classify)
@@ -162,6 +175,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
         runs["full_q2"] = train(out, "full_q2", tiny_causal_lm("opt"), zo_num_perturbations=2)
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
+    elif scenario == "diverge":
+        diverge = [DivergeAtStep(2)] if rank == 1 else None
+        train(out, "diverge", tiny_causal_lm("opt"), callbacks=diverge, zo_verify_replicas_steps=1)
     elif scenario == "hang":
         train(out, "hang", tiny_causal_lm("opt"), callbacks=[HangAtStep(1)] if rank == 1 else None)
     else:

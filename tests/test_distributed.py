@@ -200,6 +200,28 @@ def test_a_hung_rank_makes_the_others_fail_within_the_timeout(tmp_path):
     assert elapsed < 120  # start-up plus the 3 s bound, not the 600 s the hung rank sleeps
 
 
+@pytest.mark.multiprocess
+def test_replica_verification_passes_on_agreeing_replicas_and_stops_diverged_ones(dp2, tmp_path):
+    _assert_bitwise_equal(dp2[0]["runs"]["verified"]["params"], dp2[1]["runs"]["verified"]["params"])
+    result = _run(_torchrun(2, "diverge", tmp_path), _env())
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "the replicas' trainable parameters differ after step 2" in output, output[-5000:]
+    assert "terminate called" not in output
+
+
+def test_parameter_checksum_sees_every_bit():
+    from hf_zo.parallel.verify import parameter_checksum
+
+    tensors = [torch.randn(1000), torch.randn(3, 7).to(torch.bfloat16)]
+    reference = parameter_checksum(tensors)
+    assert parameter_checksum([t.clone() for t in tensors]) == reference
+    nudged = [tensors[0].clone(), tensors[1]]
+    nudged[0][500] = torch.nextafter(nudged[0][500], torch.tensor(1e9))
+    assert parameter_checksum(nudged) != reference
+    assert parameter_checksum(tensors[::-1]) != reference
+
+
 # ------------------------------------------------------------------------------------------ plugin (in process)
 
 
