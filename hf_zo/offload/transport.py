@@ -3,9 +3,9 @@
 Both transports keep the operations of one queue in order (a write-back issued before a load of the same block
 finishes before that load reads), so the schedule in :mod:`hf_zo.offload.schedule` is the same code for both.
 
-- `ThreadTransport`: the working device is the CPU; one background thread copies disk- or host-resident tensors
-  into fresh working tensors (reading the memory-mapped file happens there, overlapping with compute) and writes
-  changed tensors back.
+- `ThreadTransport`: the working device is the CPU; one background thread pages the next blocks of the mapped files
+  in while the current one computes (reading from disk overlaps with compute), and the blocks compute in place on
+  the mapped pages, which the kernel writes back; only tensors stored in another dtype are copied.
 - `CudaTransport`: the working device is a GPU; copies run on a dedicated CUDA stream from pinned host memory, and
   events order them against the compute stream.
 """
@@ -20,37 +20,42 @@ import torch
 
 
 class ThreadTransport:
-    """Moves tensors between storage and CPU working tensors on one background thread.
+    """Moves tensors between storage and the CPU as the working device, on one background thread.
 
-    Working tensors of released blocks are recycled for the next loads (blocks usually share their shapes), so a
-    step allocates no new block memory and touches no fresh pages: at most `prefetch + 1` blocks' worth is held.
+    A tensor stored in its working dtype is used in place: its load pages it in on the background thread (reading
+    one element per page of the mapped file), the block computes on the mapped pages, and the kernel writes the
+    changed pages back; nothing is copied and no anonymous memory is used. A tensor stored in another dtype (a
+    frozen tensor with `offload_dtype`) is copied and cast into a working tensor, recycled once its block is
+    released, so at most `prefetch + 1` blocks' worth of working tensors exist.
     """
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zo_offload")
         self._last: Future | None = None
         self._free: dict[tuple, list[torch.Tensor]] = {}
-        self._free_lock = threading.Lock()
+        self._owned: set[int] = set()
+        self._lock = threading.Lock()
 
-    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        with self._free_lock:
-            recycled = self._free.get((shape, dtype))
-            if recycled:
-                return recycled.pop()
-        return torch.empty(shape, dtype=dtype)
+    def _working(self, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if source.dtype == dtype:
+            flat = source.view(-1)
+            flat[:: max(1, 4096 // source.element_size())].clone()  # touch every page: map it before compute
+            return source
+        with self._lock:
+            recycled = self._free.get((source.shape, dtype))
+            tensor = recycled.pop() if recycled else torch.empty(source.shape, dtype=dtype)
+            self._owned.add(id(tensor))
+        return tensor.copy_(source)
 
     def _recycle(self, tensors: Sequence[torch.Tensor]) -> None:
-        with self._free_lock:
+        with self._lock:
             for tensor in tensors:
-                self._free.setdefault((tensor.shape, tensor.dtype), []).append(tensor)
+                if id(tensor) in self._owned:
+                    self._free.setdefault((tensor.shape, tensor.dtype), []).append(tensor)
 
     def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> Future:
-        """Start copying `sources` into working tensors of `dtypes`; returns a handle for :meth:`wait`."""
-
-        def copy():
-            return [self._empty(s.shape, d).copy_(s) for s, d in zip(sources, dtypes)]
-
-        self._last = self._pool.submit(copy)
+        """Start bringing `sources` to the CPU in `dtypes`; returns a handle for :meth:`wait`."""
+        self._last = self._pool.submit(lambda: [self._working(s, d) for s, d in zip(sources, dtypes)])
         return self._last
 
     def wait(self, handle: Future) -> list[torch.Tensor]:
@@ -58,10 +63,9 @@ class ThreadTransport:
         return handle.result()
 
     def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Hand back a block's `working` tensors, first copying each ``(view, tensor)`` of `pairs` into storage.
-
-        The copies run on the background thread, in order with the loads; the tensors are recycled once written.
-        """
+        """Hand back a block's `working` tensors, first copying each ``(view, tensor)`` of `pairs` that is not the
+        view itself into storage. The copies run on the background thread, in order with the loads."""
+        pairs = [(view, tensor) for view, tensor in pairs if view is not tensor]
         if not pairs:
             self._recycle(working)
             return
@@ -83,6 +87,7 @@ class ThreadTransport:
         """Finish the queued copies, stop the thread and free the recycled tensors."""
         self._pool.shutdown(wait=True)
         self._free.clear()
+        self._owned.clear()
 
 
 class CudaTransport:
