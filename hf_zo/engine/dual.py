@@ -21,7 +21,7 @@ those of the sequential engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from ..estimator import LazyParameters, ZORecord, make_record
 from ..noise import NoiseUpdate
 from .blocks import find_blocks
 from .lockstep import Arrival, LockstepPass, current_pass
+
+if TYPE_CHECKING:
+    from ..offload import BlockOffloader
 
 logger = logging.get_logger(__name__)
 
@@ -75,7 +78,7 @@ class DualEngine:
         self,
         model: nn.Module,
         blocks: list[nn.Module] | None = None,
-        offloader=None,
+        offloader: BlockOffloader | None = None,
         exact_restore: bool = False,
     ):
         self.model = model
