@@ -102,6 +102,11 @@ def test_dual_matches_sequential_with_peft(peft_config):
     assert runs[0][0][-1].projected_grad != 0.0  # the adapter is perturbed and moves the loss
 
 
+def test_dual_matches_sequential_with_lora_on_an_encoder():
+    config = LoraConfig(r=4, target_modules=["query", "value"], modules_to_save=["classifier"])
+    _assert_same(*[_run(get_peft_model(_model("bert"), config), "bert", engine) for engine in ("sequential", "dual")])
+
+
 def test_blocks_that_do_not_run_get_the_sequential_sweeps():
     runs = []
     for engine in ("sequential", "dual"):
