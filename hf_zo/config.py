@@ -103,6 +103,11 @@ class ZOConfig(TrainingArguments):
         zo_offload_dtype (`str`, *optional*):
             Storage and transfer dtype (`"float32"`, `"bfloat16"`, `"float16"`) of *frozen* block tensors (e.g. PEFT
             base weights), upcast on arrival. Trainable tensors always keep full-precision masters.
+        zo_offload_sliced_upload (`bool`, *optional*, defaults to `False`):
+            DistZO2's sliced upload: the `p` ranks of a perturbation-parallel group each move `1/p` of every block
+            from their storage tier and all-gather the block over the device interconnect (NCCL on GPUs, gloo on
+            CPU). Needs `zo_offload` and `zo_perturbation_parallel_size` (or `HF_ZO_PERTURBATION_PARALLEL_SIZE`)
+            above 1. Same weights as without it, bit for bit.
 
     Defaults changed from `TrainingArguments`:
 
@@ -159,6 +164,9 @@ class ZOConfig(TrainingArguments):
     zo_offload_dtype: str | None = field(
         default=None, metadata={"help": "Dtype of frozen offloaded tensors.", "choices": list(OFFLOAD_DTYPES)}
     )
+    zo_offload_sliced_upload: bool = field(
+        default=False, metadata={"help": "PertP ranks each upload 1/p of a block and all-gather it (DistZO2)."}
+    )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
     average_tokens_across_devices: bool = field(
@@ -175,6 +183,11 @@ class ZOConfig(TrainingArguments):
         if self.zo_engine not in ZO_ENGINES:
             raise ValueError(f"Unknown zo_engine {self.zo_engine!r}; choose one of {list(ZO_ENGINES)}.")
         if self.zo_offload is None:
+            if self.zo_offload_sliced_upload:
+                raise ValueError(
+                    "zo_offload_sliced_upload=True shares the upload of offloaded blocks but zo_offload is None; set "
+                    "zo_offload='cpu' or 'disk' (with zo_engine='dual'), or drop zo_offload_sliced_upload."
+                )
             if self.zo_offload_dir is not None:
                 raise ValueError(
                     f"zo_offload_dir={self.zo_offload_dir!r} is set but zo_offload is None; set "

@@ -23,7 +23,6 @@ from transformers.utils import logging
 from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
 from .config import ZOConfig
 from .engine import DualEngine
-from .engine.setup import offload_model
 from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
@@ -86,18 +85,12 @@ class ZOTrainer(Trainer):
             args = _to_zo_config(args)
         if model is not None:
             _check_trainable(model)
-        # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the resident
-        # modules reach the device.
+        # The plugin holds the execution layout, offload included. Blocks go to their storage tier before Trainer
+        # places the model: they ignore `.to()`, so only the resident modules reach the device.
+        self.zo_plugin = DistZOPlugin.from_zo_config(args)
         self.zo_offloader = None
-        if model is not None and args.zo_offload is not None:
-            self.zo_offloader = offload_model(
-                model,
-                args.zo_offload,
-                args.zo_offload_dir,
-                args.device,
-                args.zo_offload_prefetch,
-                args.zo_offload_dtype,
-            )
+        if model is not None and self.zo_plugin.offload is not None:
+            self.zo_offloader = self.zo_plugin.prepare_model(model, args.device)
         super().__init__(
             model=model,
             args=args,
@@ -116,7 +109,6 @@ class ZOTrainer(Trainer):
         self.add_callback(ZOFlushCallback)
         self.zo_trajectory_callback = ZOTrajectoryCallback()
         self.add_callback(self.zo_trajectory_callback)
-        self.zo_plugin = DistZOPlugin.from_zo_config(self.args)
         self.zo_plugin.setup()  # fails now, not at train(), on a bad layout; destroys the process groups at exit
         if self.args.zo_verify_replicas_steps and self.zo_plugin.is_distributed:
             self.add_callback(

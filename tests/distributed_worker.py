@@ -26,6 +26,9 @@ from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
 from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm  # noqa: E402
 
 STEPS = 4
+DUAL = dict(zo_engine="dual")
+DISK = dict(zo_engine="dual", zo_offload="disk")
+SLICED = dict(DISK, zo_offload_sliced_upload=True)
 WRITES: list[str] = []
 
 
@@ -129,6 +132,7 @@ def train(
     dataset = lm_dataset(64, length=8) if dataset is None else dataset
     trainer = ZOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     trainer.zo_plugin.comm_stats.reset()
+    trainer.zo_plugin.upload_stats.reset()
     trainer.train(resume_from_checkpoint=resume)
     assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     assert not any(p.grad is not None for p in model.parameters())
@@ -139,6 +143,7 @@ def train(
         "params": params,
         "bytes_per_step": stats["bytes_sent"] / done,
         "calls_per_step": stats["calls"] / done,
+        "upload_bytes_per_step": trainer.zo_plugin.upload_stats.bytes_sent / done,
         "total_batch": trainer.get_total_train_batch_size(args),
     }
 
@@ -154,16 +159,27 @@ def run_scenario(scenario: str, out: Path) -> dict:
         checkpoint = str(out / "full" / "checkpoint-2")
         runs["resumed"] = train(out, "resumed", tiny_causal_lm("opt"), resume=checkpoint)
         runs["wide"] = train(out, "wide", wide_opt(128), steps=2)
+        runs["dual"] = train(out, "dual", tiny_causal_lm("opt"), **DUAL)
+        runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
+        runs["disk_sliced"] = train(out, "disk_sliced", tiny_causal_lm("opt"), **SLICED)
+        runs["lora_disk_sliced"] = train(out, "lora_disk_sliced", lora(tiny_causal_lm("llama")), **SLICED)
     elif scenario == "2x2":
         # The layout comes from ZOConfig here (the other launches use HF_ZO_PERTURBATION_PARALLEL_SIZE).
         runs["full"] = train(out, "full", tiny_causal_lm("opt"), zo_perturbation_parallel_size=2)
         runs["pertp4_q2"] = train(
             out, "pertp4", tiny_causal_lm("opt"), zo_perturbation_parallel_size=4, zo_num_perturbations=2
         )
+        # DP replays the other group's micro-batch block by block, through the sliced upload too.
+        runs["disk_sliced"] = train(
+            out, "disk_sliced", tiny_causal_lm("opt"), zo_perturbation_parallel_size=2, **SLICED
+        )
     elif scenario == "dp2":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["verified"] = train(out, "verified", tiny_causal_lm("opt"), zo_verify_replicas_steps=1)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
+        runs["lora_dual"] = train(out, "lora_dual", lora(tiny_causal_lm("llama")), **DUAL)
+        runs["lora_disk"] = train(out, "lora_disk", lora(tiny_causal_lm("llama")), **DISK)
         classify = dict(dataset=classification_dataset(32), steps=2)
         runs["bert"] = train(out, "bert", tiny_bert_classifier(), zo_head_training="zeroth_order", **classify)
         try:
@@ -175,6 +191,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
         runs["full_q2"] = train(out, "full_q2", tiny_causal_lm("opt"), zo_num_perturbations=2)
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
+        runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
     elif scenario == "diverge":
         diverge = [DivergeAtStep(2)] if rank == 1 else None
         train(out, "diverge", tiny_causal_lm("opt"), callbacks=diverge, zo_verify_replicas_steps=1)

@@ -133,6 +133,37 @@ def test_four_way_perturbation_parallelism_splits_two_perturbations(mesh2x2, ref
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "run, reference_run",
+    [("dual", "full"), ("disk", "full"), ("disk_sliced", "full"), ("lora_disk_sliced", "lora")],
+)
+def test_perturbation_parallel_dual_engine_and_offload_equal_one_sequential_process(
+    pertp2, reference, run, reference_run
+):
+    # Rank 0 runs the + pass, rank 1 the - pass; each replays the other's sweeps block by block (sliced: each rank
+    # uploads half of every block from its own disk tier and the pair all-gathers it).
+    for rank in pertp2:
+        _assert_bitwise_equal(rank["runs"][run]["params"], reference[reference_run]["params"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "run, reference_run",
+    [("disk", "full_accumulate2"), ("lora_dual", "lora_accumulate2"), ("lora_disk", "lora_accumulate2")],
+)
+def test_data_parallel_dual_engine_and_offload_equal_gradient_accumulation(dp2, reference, run, reference_run):
+    # Each rank runs both passes of its micro-batch and replays the other group's (every block visited, no forward).
+    for rank in dp2:
+        _assert_bitwise_equal(rank["runs"][run]["params"], reference[reference_run]["params"])
+
+
+@pytest.mark.multiprocess
+def test_2d_mesh_with_sliced_upload_equals_gradient_accumulation(mesh2x2, reference):
+    for rank in mesh2x2:
+        _assert_bitwise_equal(rank["runs"]["disk_sliced"]["params"], reference["full_accumulate2"]["params"])
+
+
+@pytest.mark.multiprocess
 def test_training_moved_the_weights(reference):
     # Guards the equalities above against a run that silently did nothing.
     moved = reference["full"]["params"]["model.decoder.layers.0.fc1.weight"]
@@ -164,8 +195,27 @@ def test_bytes_per_step_are_scalars_independent_of_model_size(pertp2, dp2, mesh2
         assert rank["runs"]["full"]["bytes_per_step"] == rank["runs"]["lora"]["bytes_per_step"] == 48
         assert rank["runs"]["full"]["calls_per_step"] == 2
     for rank in mesh2x2:
-        assert rank["runs"]["full"]["bytes_per_step"] == 8 + 48
+        assert rank["runs"]["full"]["bytes_per_step"] == rank["runs"]["disk_sliced"]["bytes_per_step"] == 8 + 48
         assert rank["runs"]["full"]["calls_per_step"] == 3
+
+
+@pytest.mark.multiprocess
+def test_offload_keeps_scalar_traffic_and_counts_sliced_upload_apart(pertp2, dp2, mesh2x2):
+    for rank in pertp2:
+        runs = rank["runs"]
+        # The scalar collectives are those of the resident sequential run, whatever the engine and offload.
+        for run in ("dual", "disk", "disk_sliced", "lora_disk_sliced"):
+            assert runs[run]["bytes_per_step"] == 8
+        # Only sliced upload moves parameter bytes between ranks, and only through its own counter.
+        assert runs["disk"]["upload_bytes_per_step"] == 0
+        assert runs["disk_sliced"]["upload_bytes_per_step"] > 0
+        assert runs["lora_disk_sliced"]["upload_bytes_per_step"] > 0
+    for run in ("disk_sliced", "lora_disk_sliced"):  # each rank sends its half of every block
+        assert pertp2[0]["runs"][run]["upload_bytes_per_step"] == pertp2[1]["runs"][run]["upload_bytes_per_step"]
+    for rank in dp2:
+        assert rank["runs"]["disk"]["bytes_per_step"] == rank["runs"]["lora_disk"]["bytes_per_step"] == 48
+        assert rank["runs"]["disk"]["upload_bytes_per_step"] == 0
+    assert all(rank["runs"]["disk_sliced"]["upload_bytes_per_step"] > 0 for rank in mesh2x2)
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -278,8 +328,15 @@ def test_strategy_rejects_layouts_the_replicas_cannot_agree_on():
     data_parallel = ParallelEstimation(ZOMesh(dp_size=2, pertp_size=1), collectives=None)
     with pytest.raises(ValueError, match="zo_sgd_cons chooses its update from the loss on each rank's own"):
         data_parallel.check(ZOSGDConservative(params, lr=0.1))
-    optimizer = ZOSGD(params, lr=0.1)
-    optimizer.engine = object()  # what ZOOptimizer.attach_engine sets for zo_engine="dual" / zo_offload
-    with pytest.raises(ValueError, match="not combined with a multi-process layout yet"):
-        data_parallel.estimate(optimizer, lambda: 0.0)
-    assert torch.equal(params[0], torch.zeros(3))  # refused before touching the parameters
+
+
+def test_sliced_upload_needs_offload_and_a_perturbation_parallel_group(tmp_path):
+    with pytest.raises(ValueError, match="zo_offload_sliced_upload=True shares the upload of offloaded blocks"):
+        ZOConfig(output_dir=str(tmp_path), zo_offload_sliced_upload=True)
+    args = ZOConfig(output_dir=str(tmp_path), zo_engine="dual", zo_offload="disk", zo_offload_sliced_upload=True)
+    with pytest.raises(ValueError, match="but perturbation_parallel_size is 1; set zo_perturbation_parallel_size"):
+        DistZOPlugin.from_zo_config(args)
+    with pytest.raises(ValueError, match="but offload is None; set zo_offload='cpu' or 'disk'"):
+        DistZOPlugin(perturbation_parallel_size=2, sliced_upload=True)
+    plugin = DistZOPlugin.from_zo_config(ZOConfig(output_dir=str(tmp_path), zo_engine="dual", zo_offload="cpu"))
+    assert (plugin.offload, plugin.offload_prefetch, plugin.sliced_upload) == ("cpu", 1, False)

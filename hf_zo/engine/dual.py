@@ -20,6 +20,7 @@ those of the sequential engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -171,43 +172,64 @@ class DualEngine:
         Same contract as `SPSAEstimator.estimate`: returns the record (or `None` with a warning for a non-finite
         loss) and leaves every tensor restored, with the restore pending.
         """
+        loss_plus, loss_minus = self.signed_forwards(params, eps, closure, seed)
+        return make_record(seed, loss_plus, loss_minus, eps)
+
+    @torch.no_grad()
+    def signed_forwards(
+        self,
+        params: LazyParameters,
+        eps: float,
+        closure: Callable[[], Any] | None,
+        seed: int,
+        signs: tuple[int, ...] = (+1, -1),
+    ) -> tuple[float, float]:
+        """The sweeps of one estimate, running only the forwards of `signs` (a subset of ``(+1, -1)``).
+
+        Every tensor goes through the same sweeps, in the same order, whichever forwards run: with `signs` empty
+        (and `closure` unused) each block is visited, perturbed, moved and restored without a forward. This is
+        how the ranks of a multi-process layout that run one forward, or none, of an estimate keep their replicas
+        bitwise identical to the rank that runs it (`hf_zo.parallel.ParallelEstimation`).
+
+        Returns:
+            `tuple[float, float]`: the losses at ``theta + eps z`` and ``theta - eps z``; NaN for a pass not run.
+        """
         self.bind(params)
         self._seed, self._eps = seed, eps
         for unit in self._block_units:
             unit.visited = False
-        plus, minus = LockstepPass(+1, closure), LockstepPass(-1, closure)
-        started: list[LockstepPass] = []
+        passes = {sign: LockstepPass(sign, closure) for sign in (+1, -1) if sign in signs}
+        arrivals: dict[int, Arrival] = {}
         self._active = True
         if self.offloader is not None:
             self.offloader.managed = True
             self.offloader.prefetch_from(0)
         try:
-            started.append(plus)
-            at_plus = _checked(plus.start())
-            started.append(minus)
-            at_minus = _checked(minus.start())
-            while at_plus.block is not None or at_minus.block is not None:
-                if at_plus.block != at_minus.block:
+            for sign, lockstep in passes.items():
+                arrivals[sign] = _checked(lockstep.start())
+            while any(arrival.block is not None for arrival in arrivals.values()):
+                reached = [arrival.block for arrival in arrivals.values()]
+                if len(set(reached)) > 1:
                     raise RuntimeError(
-                        f"The two forward passes of the dual engine reached different blocks ({at_plus.block} and "
-                        f"{at_minus.block}): the model's forward must run the same blocks in the same order for "
-                        "both. Use zo_engine='sequential' for this model."
+                        f"The two forward passes of the dual engine reached different blocks ({reached[0]} and "
+                        f"{reached[1]}): the model's forward must run the same blocks in the same order for both. "
+                        "Use zo_engine='sequential' for this model."
                     )
-                unit = self._block_units[at_plus.block]
+                unit = self._block_units[reached[0]]
                 if unit.visited:
                     raise RuntimeError(
                         f"Block {unit.block} ran twice in one forward (layers shared across depth?); the dual "
                         "engine needs each block to run once per forward. Use zo_engine='sequential'."
                     )
                 unit.visited = True
-                self._move(unit, +1)
-                at_plus = _checked(plus.resume())
-                self._move(unit, -1)
-                at_minus = _checked(minus.resume())
+                for sign in (+1, -1):
+                    self._move(unit, sign)
+                    if sign in passes:
+                        arrivals[sign] = _checked(passes[sign].resume())
                 self._finish(unit)
         except BaseException:
-            for started_pass in started:
-                started_pass.abort()
+            for lockstep in passes.values():
+                lockstep.abort()
             for unit in self._block_units + self._rest_units:
                 self._abort(unit)
             if self.offloader is not None:
@@ -220,7 +242,8 @@ class DualEngine:
         # Tensors outside the blocks, and blocks no pass ran, still get the sequential engine's sweeps (bitwise).
         for unit in self._rest_units + [u for u in self._block_units if not u.visited]:
             self._finish(unit)
-        return make_record(seed, _loss_value(at_plus.result), _loss_value(at_minus.result), eps)
+        losses = {sign: _loss_value(arrival.result) for sign, arrival in arrivals.items()}
+        return losses.get(+1, math.nan), losses.get(-1, math.nan)
 
     # ------------------------------------------------------------------ moves of one unit
 

@@ -16,6 +16,7 @@ def offload_model(
     device: torch.device | str | None = None,
     prefetch: int = 1,
     offload_dtype: torch.dtype | str | None = None,
+    transport=None,
 ) -> BlockOffloader:
     """Offload the repeated blocks of `model` (found with `find_blocks`) to storage tier `tier`.
 
@@ -29,8 +30,9 @@ def offload_model(
         device (`torch.device` or `str`, *optional*): the working device (default: CUDA when available, else CPU).
         prefetch (`int`, defaults to 1): blocks loaded ahead of the one computing.
         offload_dtype (`torch.dtype` or `str`, *optional*): storage/transfer dtype of frozen block tensors.
+        transport (*optional*): how blocks move (default: chosen for the device; see `BlockOffloader`).
 
     Returns:
         `BlockOffloader`: the offloader, whose hooks already serve plain forwards (evaluation, generation).
     """
-    return offload_blocks(find_blocks(model), tier, directory, device, prefetch, offload_dtype)
+    return offload_blocks(find_blocks(model), tier, directory, device, prefetch, offload_dtype, transport)

@@ -39,6 +39,10 @@ class BlockOffloader:
             Storage and transfer dtype of the *frozen* floating-point tensors (e.g. PEFT base weights), upcast to the
             parameter's dtype on arrival. Trainable tensors always keep their own dtype (full-precision masters),
             so updates are exact.
+        transport (*optional*):
+            How blocks move (an object with the interface of `ThreadTransport`); defaults to `CudaTransport` for a
+            GPU working device and `ThreadTransport` for the CPU. `hf_zo.parallel.SlicedTransport` shares each
+            upload among the ranks of a perturbation-parallel group.
 
     Attributes:
         params (`list[list[nn.Parameter]]`): each block's parameters, in storage order.
@@ -53,6 +57,7 @@ class BlockOffloader:
         device: torch.device | str | None = None,
         prefetch: int = 1,
         offload_dtype: torch.dtype | None = None,
+        transport=None,
     ):
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}.")
@@ -60,7 +65,9 @@ class BlockOffloader:
         self.storage = storage
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.prefetch = prefetch
-        self.transport = CudaTransport(self.device) if self.device.type == "cuda" else ThreadTransport()
+        if transport is None:
+            transport = CudaTransport(self.device) if self.device.type == "cuda" else ThreadTransport()
+        self.transport = transport
         self.params: list[list[nn.Parameter]] = []
         self.views: list[list[torch.Tensor]] = []
         self._dtypes: list[list[torch.dtype]] = []
@@ -165,11 +172,12 @@ def offload_blocks(
     device: torch.device | str | None = None,
     prefetch: int = 1,
     offload_dtype: torch.dtype | str | None = None,
+    transport=None,
 ) -> BlockOffloader:
     """Offload `blocks` to storage tier `tier` (`"cpu"` or `"disk"`); see `BlockOffloader` for the arguments."""
     if isinstance(offload_dtype, str):
         offload_dtype = getattr(torch, offload_dtype)
-    return BlockOffloader(blocks, build_storage(tier, directory), device, prefetch, offload_dtype)
+    return BlockOffloader(blocks, build_storage(tier, directory), device, prefetch, offload_dtype, transport)
 
 
 def _buffers_only_apply(block: nn.Module):

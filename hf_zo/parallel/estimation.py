@@ -8,6 +8,12 @@ go round-robin to its ``p`` ranks. The losses are then exchanged as scalars, so 
 applies them in the same order and holds bitwise the same parameters as every other rank, and as the single
 process doing all the forwards itself (same intra-op thread count assumed, since a forward's rounding depends on
 it). The price: each rank also sweeps the perturbations whose forwards other ranks run (memory-bound, no forward).
+
+With the dual engine (`zo_engine="dual"`, with or without offload) each rank runs its share of the forwards
+through the engine, which replays block by block the sweeps of the forwards this rank does not run (for a DP
+peer's micro-batch: every block visited, no forward), so the replicas stay bitwise identical as well; under
+offload each rank streams the blocks from its own storage (or, with sliced upload, its slice of them: see
+`hf_zo.parallel.sliced`).
 """
 
 from __future__ import annotations
@@ -62,13 +68,6 @@ class ParallelEstimation:
 
         Returns the records of this rank's micro-batch (identical on the ranks of its PertP group).
         """
-        if getattr(optimizer, "engine", None) is not None:
-            raise ValueError(
-                "The dual engine and offload (zo_engine='dual', zo_offload) are not combined with a multi-process "
-                f"layout yet ({self.mesh.dp_size} x {self.mesh.pertp_size} processes): every rank must replay the "
-                "other ranks' perturbation sweeps, which only the sequential schedule does. Use "
-                "zo_engine='sequential' or a single process."
-            )
         q, dp = optimizer.num_perturbations, self.mesh.dp_size
         micro_batch = optimizer._num_estimates // q
         optimizer._num_estimates += q
@@ -97,14 +96,23 @@ class ParallelEstimation:
         return kept
 
     def _signed_forwards(self, optimizer: ZOOptimizer, closure: Closure | None, seed: int, j: int) -> list[float]:
-        """The sweeps of `SPSAEstimator.estimate`, running only the forwards assigned to this rank (others: NaN)."""
-        params, eps, p = optimizer.params, optimizer.eps, self.mesh.pertp_size
+        """The sweeps of one estimate, running only the forwards assigned to this rank (the others: NaN).
+
+        With the dual engine (and offload) the engine replays the sweeps of the forwards it does not run, block by
+        block (`DualEngine.signed_forwards`); otherwise those of `SPSAEstimator.estimate` are made here.
+        """
+        p, rank = self.mesh.pertp_size, self.mesh.pertp_rank
+        signs = () if closure is None else tuple(s for f, s in enumerate((+1, -1)) if (2 * j + f) % p == rank)
+        engine = getattr(optimizer, "engine", None)
+        if engine is not None:
+            return list(engine.signed_forwards(optimizer.params, optimizer.eps, closure, seed, signs))
+        params, eps = optimizer.params, optimizer.eps
         losses = [math.nan, math.nan]
-        for sign, coeff in enumerate((eps, -2.0 * eps)):
+        for f, (sign, coeff) in enumerate(((+1, eps), (-1, -2.0 * eps))):
             params.add(seed, coeff)
             params.flush()
-            if closure is not None and (2 * j + sign) % p == self.mesh.pertp_rank:
-                losses[sign] = _as_float(closure())
+            if sign in signs:
+                losses[f] = _as_float(closure())
         params.add(seed, eps)
         return losses
 

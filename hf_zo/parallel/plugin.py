@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
+from ..engine.setup import offload_model
+from ..offload import BlockOffloader
 from ..optim.base import ZOOptimizer
 from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
+from .sliced import SlicedTransport, build_slice_group
 
 ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
@@ -40,17 +44,40 @@ class DistZOPlugin:
         timeout_seconds (`float`, *optional*):
             Bound on every collective: a dead or hung rank makes the others fail after this long instead of
             hanging. Environment: `HF_ZO_TIMEOUT`; default 1800 (the `ddp_timeout` of `TrainingArguments`).
+        offload (`str`, *optional*):
+            Storage tier of the model's blocks (`"cpu"` or `"disk"`, see `hf_zo.offload`); every rank streams its
+            own copy of the blocks to its own device. Taken from `ZOConfig.zo_offload` (validated there), like the
+            three fields below; `None` keeps the model resident.
+        offload_dir (`str`, *optional*): the disk tier's directory; each rank of a multi-process run uses its own
+            `rank{r}` sub-directory.
+        offload_prefetch (`int`, defaults to 1): blocks loaded ahead of the one computing.
+        offload_dtype (`str`, *optional*): storage and transfer dtype of frozen block tensors.
+        sliced_upload (`bool`, *optional*):
+            DistZO2's sliced upload: the `p` ranks of a PertP group each move ``1/p`` of every block from storage and
+            all-gather the rest over the device interconnect (`hf_zo.parallel.sliced`). Needs `offload` and
+            ``perturbation_parallel_size > 1``. Environment: `HF_ZO_OFFLOAD_SLICED_UPLOAD` (`true`/`false`);
+            default off.
 
     Attributes:
         mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
         collectives (`ScalarCollectives`): the counted collectives of the mesh, once :meth:`setup` has run.
+        upload_stats (`CommStats`): the bytes of the sliced upload's block all-gathers (parameter bytes over the
+            device interconnect), counted apart from the scalar collectives of :attr:`collectives`.
+        offloader (`BlockOffloader`): the model's offloaded blocks, once :meth:`prepare_model` has offloaded them.
     """
 
     perturbation_parallel_size: int | None = None
     backend: str | None = None
     timeout_seconds: float | None = None
+    offload: str | None = None
+    offload_dir: str | None = None
+    offload_prefetch: int = 1
+    offload_dtype: str | None = None
+    sliced_upload: bool | None = None
     mesh: ZOMesh | None = field(default=None, init=False, repr=False)
     collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
+    upload_stats: CommStats = field(default_factory=CommStats, init=False, repr=False)
+    offloader: BlockOffloader | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.perturbation_parallel_size is None:
@@ -67,10 +94,25 @@ class DistZOPlugin:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}.")
         if not self.timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {self.timeout_seconds!r}.")
+        if self.sliced_upload is None:
+            self.sliced_upload = _from_env("OFFLOAD_SLICED_UPLOAD", boolean, False)
+        if self.sliced_upload and self.offload is None:
+            raise ValueError(
+                "sliced_upload (zo_offload_sliced_upload) shares the upload of offloaded blocks, but offload is None; "
+                "set zo_offload='cpu' or 'disk', or turn sliced upload off."
+            )
+        if self.sliced_upload and self.perturbation_parallel_size < 2:
+            raise ValueError(
+                "sliced_upload (zo_offload_sliced_upload) splits each block's upload among the ranks of a "
+                f"perturbation-parallel group, but perturbation_parallel_size is {self.perturbation_parallel_size}; "
+                "set zo_perturbation_parallel_size (or HF_ZO_PERTURBATION_PARALLEL_SIZE) to 2 or more, or turn "
+                "sliced upload off."
+            )
 
     @classmethod
     def from_zo_config(cls, args) -> DistZOPlugin:
-        """The plugin described by a `ZOConfig`: `zo_perturbation_parallel_size` and `ddp_timeout`.
+        """The plugin described by a `ZOConfig`: `zo_perturbation_parallel_size`, `ddp_timeout` and the `zo_offload*`
+        fields.
 
         A field left at its default gives way to the matching `HF_ZO_*` environment variable; a field set to
         something else must agree with it.
@@ -85,6 +127,11 @@ class DistZOPlugin:
         return cls(
             perturbation_parallel_size=None if size == 1 else size,
             timeout_seconds=_from_env("TIMEOUT", float, float(args.ddp_timeout)),
+            offload=args.zo_offload,
+            offload_dir=args.zo_offload_dir,
+            offload_prefetch=args.zo_offload_prefetch,
+            offload_dtype=args.zo_offload_dtype,
+            sliced_upload=getattr(args, "zo_offload_sliced_upload", False) or None,
         )
 
     # ------------------------------------------------------------------ layout
@@ -115,6 +162,36 @@ class DistZOPlugin:
 
     # ------------------------------------------------------------------ preparation
 
+    def prepare_model(self, model: nn.Module, device: torch.device | str | None = None) -> BlockOffloader | None:
+        """Offload the blocks of `model` as :attr:`offload` says (nothing to do when it is `None`).
+
+        Call it before the model moves to its device (`ZOTrainer` does, at construction): the blocks then stay in
+        storage. With :attr:`sliced_upload` the blocks arrive through a `SlicedTransport` over this rank's PertP
+        group (a process group of its own, created here on every rank).
+
+        Args:
+            model (`nn.Module`): the model, PEFT already applied.
+            device (`torch.device` or `str`, *optional*): the working device (default: CUDA when available).
+
+        Returns:
+            `BlockOffloader` or `None`: the offloader (also kept in :attr:`offloader`).
+        """
+        if self.offload is None:
+            return None
+        mesh = self.setup()
+        directory = self.offload_dir
+        if directory is not None and mesh.world_size > 1:
+            directory = os.path.join(directory, f"rank{mesh.rank}")
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        transport = None
+        if self.sliced_upload:
+            group = build_slice_group(mesh, self.backend, self.timeout)
+            transport = SlicedTransport(device, group, self.upload_stats)
+        self.offloader = offload_model(
+            model, self.offload, directory, device, self.offload_prefetch, self.offload_dtype, transport
+        )
+        return self.offloader
+
     def prepare_optimizer(self, optimizer: ZOOptimizer) -> ZOOptimizer:
         """Make `optimizer` split its estimates over the mesh (nothing changes in a single process).
 
@@ -139,6 +216,16 @@ class DistZOPlugin:
         """Destroy the process groups now (also done automatically at interpreter exit)."""
         destroy_process_group()
         self.mesh = None
+
+
+def boolean(value: str) -> bool:
+    """Parse an environment flag: `1`/`true`/`yes` or `0`/`false`/`no` (any case)."""
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise ValueError(value)
 
 
 def _from_env(name: str, cast: type, default):
