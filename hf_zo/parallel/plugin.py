@@ -95,7 +95,7 @@ class DistZOPlugin:
         if not self.timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {self.timeout_seconds!r}.")
         if self.sliced_upload is None:
-            self.sliced_upload = _from_env("OFFLOAD_SLICED_UPLOAD", boolean, False)
+            self.sliced_upload = _from_env("OFFLOAD_SLICED_UPLOAD", _boolean, False)
         if self.sliced_upload and self.offload is None:
             raise ValueError(
                 "sliced_upload (zo_offload_sliced_upload) shares the upload of offloaded blocks, but offload is None; "
@@ -218,7 +218,7 @@ class DistZOPlugin:
         self.mesh = None
 
 
-def boolean(value: str) -> bool:
+def _boolean(value: str) -> bool:
     """Parse an environment flag: `1`/`true`/`yes` or `0`/`false`/`no` (any case)."""
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes"):
@@ -236,4 +236,5 @@ def _from_env(name: str, cast: type, default):
     try:
         return cast(value)
     except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name} must be a valid {cast.__name__}, got {value!r}.") from None
+        kind = cast.__name__.strip("_")
+        raise ValueError(f"{ENV_PREFIX}{name} must be a valid {kind}, got {value!r}.") from None
