@@ -83,8 +83,13 @@ class SlicedTransport:
         quantum = self.size * _ALIGN
         return offsets, max(quantum, -(-end // quantum) * quantum)
 
-    def _gather(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
-        """Copy this rank's slice of the block from storage, all-gather the block and view it tensor by tensor."""
+    def _gather(
+        self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Copy this rank's slice of the block from storage, all-gather the block and view it tensor by tensor.
+
+        Returns the working tensors and the gathered buffer they view.
+        """
         offsets, total = self._layout(sources)
         flat = self._buffer(total)
         chunk = total // self.size
@@ -104,8 +109,7 @@ class SlicedTransport:
             size = source.numel() * source.element_size()
             tensor = flat[offset : offset + size].view(source.dtype).view(source.shape)
             tensors.append(tensor if dtype == source.dtype else tensor.to(dtype))
-        self._buffers[id(tensors)] = flat
-        return tensors
+        return tensors, flat
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         recycled = self._free.get(nbytes)
@@ -119,20 +123,22 @@ class SlicedTransport:
         """Start assembling a block from `sources` (this rank's storage views) in `dtypes`; returns a handle."""
         if self._cuda:
             with torch.cuda.stream(self._stream):
-                tensors = self._gather(sources, dtypes)
+                gathered = self._gather(sources, dtypes)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            return tensors, event
+            return gathered, event
         self._last = self._pool.submit(self._gather, sources, dtypes)
         return self._last
 
     def wait(self, handle) -> list[torch.Tensor]:
         """The working tensors of a :meth:`load`, once the all-gather is done."""
         if self._cuda:
-            tensors, event = handle
+            (tensors, flat), event = handle
             torch.cuda.current_stream(self.device).wait_event(event)
-            return tensors
-        return handle.result()
+        else:
+            tensors, flat = handle.result()
+        self._buffers[id(tensors)] = flat
+        return tensors
 
     def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write each ``(view, tensor)`` of `pairs` back to this rank's storage and recycle the block's buffer."""
@@ -152,12 +158,17 @@ class SlicedTransport:
             self._last = self._pool.submit(copy)
 
     def synchronize(self) -> None:
-        """Wait until every queued copy and all-gather is done."""
+        """Wait until every queued copy and all-gather is done.
+
+        Blocks loaded but never unloaded (prefetches that `BlockOffloader.synchronize` drops) are forgotten here, so
+        their buffers are freed instead of recycled.
+        """
         if self._cuda:
             self._stream.synchronize()
         elif self._last is not None:
             self._last.result()
             self._last = None
+        self._buffers.clear()
 
     def close(self) -> None:
         """Finish the queued work and free the recycled buffers."""
