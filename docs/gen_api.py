@@ -1,0 +1,124 @@
+"""Regenerate docs/api.md from the code: `python docs/gen_api.py` (from the repository root).
+
+Every public object (the `__all__` of each module below) gets its signature and the first paragraph of its
+docstring; `ZOConfig` gets its whole docstring. tests/test_examples.py checks that no public name is missing.
+"""
+
+import importlib
+import inspect
+import os
+import re
+
+HEADER = """# API reference
+
+Every public object of hf_zo, by module, with its signature and what it is for. The objects re-exported by
+`import hf_zo` are: `ZOConfig`, `ZOTrainer`, the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
+`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `ZO_OPTIMIZERS`), the estimator (`ZORecord`, `LazyParameters`,
+`SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`, `restore_and_update_`) and the trajectory API
+(`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`, `replay`, `push_trajectory_to_hub`,
+`TRAJECTORY_NAME`, `TrajectoryFormatError`, `TrajectoryMismatchError`). Everything else is imported from its
+module (`from hf_zo.heads import fit_linear_probe`). Signatures and summaries are taken from the code; the
+docstrings (`help(obj)`) have the full argument lists.
+
+The command line: `hf-zo replay BASE TRAJECTORY OUT` and `hf-zo inspect TRAJECTORY` (module `hf_zo.cli`, see
+[trajectories](trajectory.md)); `python -m hf_zo.demo` is `make demo`; `examples/train.py` is described in
+[examples/README.md](../examples/README.md).
+
+## Trainer and configuration
+
+"""
+
+SECTIONS = [
+    (
+        "Trainer and configuration",
+        "hf_zo.trainer",
+        ["ZOTrainer", "ZOFlushCallback", "build_zo_optimizer", "unwrap_zo_optimizer"],
+    ),
+    ("", "hf_zo.config", ["ZOConfig"]),
+    ("Optimizers", "hf_zo.optim", None),
+    ("Estimator", "hf_zo.estimator", ["ZORecord", "LazyParameters", "SPSAEstimator", "make_record"]),
+    (
+        "Noise",
+        "hf_zo.noise",
+        ["Noise", "NoiseUpdate", "perturb_", "restore_and_update_", "mix_seed", "NOISE_DISTRIBUTIONS"],
+    ),
+    ("Classification heads", "hf_zo.heads", None),
+    ("Metrics", "hf_zo.metrics", None),
+    ("Execution engines", "hf_zo.engine", None),
+    ("Offload", "hf_zo.offload", None),
+    ("Distributed (DistZO2)", "hf_zo.parallel", None),
+    ("Trajectories", "hf_zo.trajectory", None),
+]
+
+
+def first_paragraphs(doc, n=1):
+    if not doc:
+        return ""
+    doc = inspect.cleandoc(doc)
+    parts = [p for p in re.split(r"\n\s*\n", doc) if p.strip()]
+    return "\n\n".join(parts[:n])
+
+
+def summary(doc):
+    """The first paragraph of `doc` on one line."""
+    return " ".join(first_paragraphs(doc, 1).split()) if doc else ""
+
+
+def signature(obj):
+    try:
+        sig = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return ""
+    sig = re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", sig)
+    sig = re.sub(r" at 0x[0-9a-f]+", "", sig)
+    sig = re.sub(r"(: |-> )'([^']*)'", r"\1\2", sig)
+    return sig
+
+
+out = []
+for title, modname, names in SECTIONS:
+    mod = importlib.import_module(modname)
+    names = names or list(mod.__all__)
+    if title:
+        out.append(f"## {title}\n")
+    out.append(f"Module `{modname}`.\n")
+    for name in names:
+        obj = getattr(mod, name)
+        if inspect.isclass(obj):
+            kind = "class"
+            sig = "(output_dir=None, ..., zo_eps=1e-3, ...)" if name == "ZOConfig" else signature(obj)
+            out.append(f"### `{name}{sig}`\n")
+            out.append(f"*class* `{obj.__module__}.{name}`\n")
+            if name == "ZOConfig":
+                body = inspect.cleandoc(obj.__doc__).split("\n", 2)[2]
+                out.append("```text\n" + body.strip() + "\n```\n")
+            else:
+                out.append(first_paragraphs(obj.__doc__, 1) + "\n")
+            methods = [
+                m
+                for m, v in vars(obj).items()
+                if not m.startswith("_") and callable(v) and getattr(v, "__doc__", None)
+            ]
+            props = [m for m, v in vars(obj).items() if not m.startswith("_") and isinstance(v, property)]
+            if methods or props:
+                for m in methods:
+                    v = getattr(obj, m)
+                    method_sig = signature(v).replace("(self, ", "(").replace("(self)", "()")
+                    out.append(f"- `{m}{method_sig}`: {summary(v.__doc__)}")
+                for m in props:
+                    out.append(f"- `{m}` (property): {summary(vars(obj)[m].__doc__)}")
+                out.append("")
+        elif callable(obj):
+            out.append(f"### `{name}{signature(obj)}`\n")
+            out.append(f"*function* `{obj.__module__}.{name}`\n")
+            out.append(first_paragraphs(obj.__doc__, 1) + "\n")
+        else:
+            out.append(f"### `{name}`\n")
+            out.append(
+                f"*constant* `{modname}.{name}` = `{obj!r}`\n"
+                if len(repr(obj)) < 100
+                else f"*constant* `{modname}.{name}`\n"
+            )
+path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "api.md")
+with open(path, "w") as f:
+    f.write(HEADER + "\n".join(out).rstrip() + "\n")
