@@ -308,7 +308,9 @@ class FirstOrderHead:
                 continue
             p.grad.div_(self.num_backward)
             if distributed and torch.distributed.get_world_size() > 1:
-                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+                # SUM then divide: gloo has no AVG; every rank receives the same bits, so replicas stay identical.
+                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+                p.grad.div_(torch.distributed.get_world_size())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_backward = 0

@@ -186,12 +186,6 @@ class ZOTrainer(Trainer):
         param_groups = [g for g in groups.values() if g["params"]]
         self.optimizer = build_zo_optimizer(self.args, param_groups)
         self.zo_plugin.prepare_optimizer(self.optimizer)
-        if self.zo_heads.first_order is not None and self.zo_plugin.is_distributed:
-            raise ValueError(
-                "A first-order head (zo_head_training='first_order', the default for *ForSequenceClassification) "
-                "follows each rank's own gradients, so the replicas of a multi-process run would diverge; set "
-                "zo_head_training='zeroth_order' to train the head with ZO like the body."
-            )
         self._attach_zo_engine(self.optimizer)
         return self.optimizer
 
