@@ -431,5 +431,21 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
     return trainer, metrics
 
 
+def run_cli() -> int:
+    """`main()` for the command line: a bad argument, file or checkpoint ends in its message and exit code 2.
+
+    hf_zo's errors say what was wrong and how to fix it; the traceback through transformers and torch adds
+    nothing for a user. Set `HF_ZO_TRACEBACK=1` to see it anyway.
+    """
+    try:
+        main()
+    except (ValueError, TypeError, OSError, FloatingPointError) as error:
+        if os.environ.get("HF_ZO_TRACEBACK") == "1":
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli())

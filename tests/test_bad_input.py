@@ -212,3 +212,15 @@ def test_non_finite_losses_stop_with_the_step(tmp_path):
     ):
         optimizer.step(lambda: torch.tensor(float("nan")))
     torch.testing.assert_close(weight.detach(), torch.ones(3))
+
+
+def test_example_script_exits_with_the_message_and_no_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    command = [sys.executable, str(script), "--model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path)]
+    result = subprocess.run([*command, "--zo_eps", "0"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "error: zo_eps must be > 0, got 0.0" in result.stderr
+    assert "Traceback" not in result.stderr
