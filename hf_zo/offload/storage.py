@@ -73,8 +73,7 @@ class DiskStorage(BlockStorage):
         self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
         try:
             os.makedirs(self.directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.directory):
-                pass
+            tempfile.TemporaryFile(dir=self.directory).close()  # probe: can we create files there?
         except OSError as error:
             raise OSError(
                 f"zo_offload_dir {self.directory!r} is not a writable folder ({error.strerror or error}); choose a "
