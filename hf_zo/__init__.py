@@ -4,6 +4,7 @@ from .config import ZOConfig
 from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
 from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .parallel import DistZOPlugin
 from .trainer import ZOTrainer
 from .trajectory import (
     TRAJECTORY_NAME,
@@ -27,6 +28,7 @@ __all__ = [
     "ZOTrajectoryStep",
     "push_trajectory_to_hub",
     "replay",
+    "DistZOPlugin",
     "LazyParameters",
     "Noise",
     "NoiseUpdate",
