@@ -17,6 +17,7 @@ import shutil
 import struct
 import tempfile
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy
@@ -26,17 +27,18 @@ from safetensors.torch import save_file
 OFFLOAD_TIERS = ("cpu", "disk")
 
 
-class BlockStorage:
+class BlockStorage(ABC):
     """Base class of the storage tiers.
 
     Subclasses implement :meth:`store_block`, which receives the block's named tensors (already in their storage
     dtype) and returns their at-rest views, in the same order.
     """
 
+    @abstractmethod
     def store_block(self, block: int, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Keep the tensors of block `block` and return their at-rest views."""
-        raise NotImplementedError(f"{type(self).__name__} must implement store_block.")
 
+    @abstractmethod
     def close(self) -> None:
         """Release what the storage owns (files it created); the at-rest views must not be used afterwards."""
 
@@ -57,6 +59,9 @@ class CPUStorage(BlockStorage):
             view = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
             views.append(view.copy_(tensor))
         return views
+
+    def close(self) -> None:
+        """Host copies are plain tensors: they go with the last reference to the at-rest views."""
 
 
 class DiskStorage(BlockStorage):

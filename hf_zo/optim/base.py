@@ -15,6 +15,7 @@ Two ways to drive it:
 from __future__ import annotations
 
 import logging
+from abc import ABCMeta, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -35,7 +36,7 @@ CACHED_STEPS = 4
 """Seeds' worth of noise the cache holds when enabled (a seed is used by up to three consecutive sweeps)."""
 
 
-class ZOOptimizer(torch.optim.Optimizer):
+class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     """Base class of the zeroth-order optimizers.
 
     Args:
@@ -169,11 +170,21 @@ class ZOOptimizer(torch.optim.Optimizer):
         """
         if self.parallel is not None:
             return self.parallel.estimate(self, closure)
-        kept = []
+        estimates = []
         for _ in range(self.num_perturbations):
             seed = self.perturbation_seed(self.zo_step, self._num_estimates)
             self._num_estimates += 1
-            record = self._estimate_one(closure, seed)
+            estimates.append(self._estimate_one(closure, seed))
+        return self.keep_estimates(estimates, closure)
+
+    def keep_estimates(self, estimates: list[ZORecord | None], closure: Closure | None) -> list[ZORecord]:
+        """Keep the records of `estimates` for :meth:`step`, counting the dropped ones (`None`) as skips.
+
+        Returns the records kept. Used by :meth:`estimate` and by `hf_zo.parallel`, which builds records from
+        losses exchanged between ranks.
+        """
+        kept = []
+        for record in estimates:
             if record is None:
                 self._count_skip()
             else:
@@ -227,9 +238,9 @@ class ZOOptimizer(torch.optim.Optimizer):
         self.zo_step += 1
         return loss
 
+    @abstractmethod
     def _apply_records(self, records: list[ZORecord]) -> None:
         """Turn this step's records into a parameter update. Subclasses implement the method."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _apply_records.")
 
     def register_update_hook(
         self, hook: Callable[[ZOOptimizer, int, list[int], list[ZORecord]], None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from ..estimator import ZORecord
@@ -39,8 +41,9 @@ class _ChunkwiseZOOptimizer(ZOOptimizer):
     def _begin_step(self) -> None:
         """Hook run once per step before the sweep (e.g. to advance bias-correction counters)."""
 
+    @abstractmethod
     def _update_chunk(self, chunk: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], group: dict) -> None:
-        raise NotImplementedError
+        """Update one chunk of a parameter in place from its gradient chunk and its state chunks."""
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         self._begin_step()

@@ -83,17 +83,8 @@ class ParallelEstimation:
                     own_seeds.append(seed)
                     own_losses.append(losses)
         losses = self._exchange_losses(own_losses)
-        kept = []
-        for seed, (loss_plus, loss_minus) in zip(own_seeds, losses):
-            record = make_record(seed, loss_plus, loss_minus, optimizer.eps)
-            if record is None:
-                optimizer._count_skip()
-            else:
-                optimizer.consecutive_skips = 0
-                kept.append(record)
-        optimizer.records.extend(kept)
-        optimizer._last_closure = closure
-        return kept
+        records = [make_record(seed, plus, minus, optimizer.eps) for seed, (plus, minus) in zip(own_seeds, losses)]
+        return optimizer.keep_estimates(records, closure)
 
     def _signed_forwards(self, optimizer: ZOOptimizer, closure: Closure | None, seed: int, j: int) -> list[float]:
         """The sweeps of one estimate, running only the forwards assigned to this rank (the others: NaN).
