@@ -25,6 +25,7 @@ Every `ZOConfig` (and `TrainingArguments`) option is a flag: `python examples/tr
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import sys
@@ -40,6 +41,7 @@ from transformers import (
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
     HfArgumentParser,
+    set_seed,
 )
 
 from hf_zo import ZOConfig, ZOTrainer
@@ -333,7 +335,18 @@ def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
     )
 
 
-def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer):
+def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer, trainable: bool = True):
+    """The model of the task. A folder saved with `--peft` (an adapter) loads onto the base model it names, and is
+    trainable only if `trainable`."""
+    adapter_path = model_args.model_name_or_path
+    if os.path.isfile(os.path.join(adapter_path, "adapter_config.json")):
+        from peft import PeftConfig, PeftModel
+
+        base_args = dataclasses.replace(
+            model_args, model_name_or_path=PeftConfig.from_pretrained(adapter_path).base_model_name_or_path, peft=None
+        )
+        model = load_model(base_args, task_type, num_labels, tokenizer)
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=trainable)
     dtype = getattr(torch, model_args.torch_dtype)
     if task_type == "classification":
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -385,7 +398,8 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
     num_labels = None
     if task_type == "classification":
         num_labels = len(task.label_words) if task else len(set(datasets["train"]["label"]))
-    model = load_model(model_args, task_type, num_labels, tokenizer)
+    set_seed(args.seed)  # a new head and PEFT matrices are initialised from the global RNG: same start every run
+    model = load_model(model_args, task_type, num_labels, tokenizer, trainable=should_train(args))
 
     trainer_class, kwargs = ZOTrainer, {}
     if task_type == "causal_lm":
@@ -403,14 +417,14 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
     trainer = trainer_class(
         model=model,
         args=args,
-        train_dataset=datasets.get("train"),
+        train_dataset=datasets.get("train") if should_train(args) else None,
         eval_dataset=datasets.get("validation"),
         processing_class=tokenizer,
         **kwargs,
     )
 
     metrics = {}
-    if args.do_train or not args.do_eval:
+    if should_train(args):
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         if not args.push_to_hub:  # push_to_hub saves, writes the card and uploads in one go
             trainer.save_model()
@@ -429,6 +443,13 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
             card["dataset"] = data.task_name
         trainer.push_to_hub(**card)
     return trainer, metrics
+
+
+def should_train(args: ZOConfig) -> bool:
+    """Whether to train: always, unless only `--do_eval` was asked for (without `--do_train` and without an
+    `--eval_strategy`, which `TrainingArguments` turns into `do_eval=True` but which means "evaluate while training").
+    """
+    return args.do_train or not args.do_eval or args.eval_strategy != "no"
 
 
 def run_cli() -> int:

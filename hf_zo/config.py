@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
 
 from .engine import ZO_ENGINES
@@ -75,9 +77,12 @@ class ZOConfig(TrainingArguments):
             signed forwards (so it must divide that number); the launched processes form `processes / p` data-parallel
             groups that see different batches. Replicas exchange only scalars and are never wrapped in DDP. Left at 1,
             the `HF_ZO_PERTURBATION_PARALLEL_SIZE` environment variable applies. `ddp_timeout` bounds every collective.
-        zo_verify_replicas_steps (`int`, *optional*, defaults to `0`):
-            Every this many steps, the processes compare a checksum of their trainable parameters (8 bytes each) and
-            stop with an error naming the step if the replicas are no longer bit-identical. 0 never checks.
+        zo_verify_replicas_steps (`int`, *optional*, defaults to `500`):
+            After the first optimizer step, every this many steps and at the end of training, the processes compare a
+            checksum of their trainable parameters (8 bytes each) and stop with an error naming the step if the
+            replicas are no longer bit-identical (one read of the trainable parameters per check). 0 never checks.
+            Whatever its value, a multi-process run starts from rank 0's parameters and buffers: every tensor that
+            differs between the processes when `ZOTrainer` is built or training starts is broadcast from rank 0.
 
     Parameters that control the execution engine and offload (ZO2):
 
@@ -148,7 +153,8 @@ class ZOConfig(TrainingArguments):
         default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
     )
     zo_verify_replicas_steps: int = field(
-        default=0, metadata={"help": "Compare the replicas' parameter checksums every N steps (0: never)."}
+        default=500,
+        metadata={"help": "Compare the replicas' checksums after step 1, every N steps and at the end (0: never)."},
     )
     zo_engine: str = field(
         default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
@@ -177,6 +183,11 @@ class ZOConfig(TrainingArguments):
         self._validate_zo_arguments()
         if self.zo_seed is None:
             self.zo_seed = self.seed
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # Launched as several processes on a machine without an accelerator (e.g. `accelerate launch` with a
+            # multi-GPU config on CPUs): without this, Accelerate would set up a single-process state in each
+            # process, so evaluation, logging and saving would not be coordinated between them.
+            self.use_cpu = True
         super().__post_init__()
 
     def _validate_zo_engine_arguments(self) -> None:
@@ -256,3 +267,8 @@ class ZOConfig(TrainingArguments):
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
             )
+
+
+def _has_accelerator() -> bool:
+    """Whether this process can use a GPU or another accelerator that Accelerate drives."""
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())

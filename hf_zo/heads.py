@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -134,9 +134,22 @@ def last_trainable_linear(head: nn.Module) -> nn.Linear:
 
 @torch.no_grad()
 def collect_head_inputs(
-    model: nn.Module, linear: nn.Linear, batches: Iterable[Mapping], max_samples: int | None = None
+    model: nn.Module,
+    linear: nn.Linear,
+    batches: Iterable[Mapping],
+    max_samples: int | None = None,
+    gather: Callable[[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `model` over `batches` (eval mode, no gradients) and collect the inputs of `linear` and the labels.
+
+    Args:
+        model (`nn.Module`): the model whose forward feeds `linear`.
+        linear (`nn.Linear`): the layer whose inputs are collected.
+        batches (`Iterable[Mapping]`): model inputs with `labels` (or `label`).
+        max_samples (`int`, *optional*): stop after this many examples.
+        gather (*optional*): in a multi-process run where each process holds a shard of `batches`, a function that
+            gathers one batch's `(features, labels)` from every process (e.g. `Accelerator.gather_for_metrics`), so
+            that every process collects the same examples in the same order as a single process would.
 
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: features `(n, in_features)` in fp32 on CPU and integer labels `(n,)`.
@@ -156,7 +169,11 @@ def collect_head_inputs(
             if label is None:
                 raise ValueError(f"Linear probing needs labels; the batch has only {sorted(batch)}.")
             model(**{k: v for k, v in batch.items() if k not in ("labels", "label")})
-            labels.append(torch.as_tensor(label).view(-1).cpu())
+            label = torch.as_tensor(label).view(-1)
+            if gather is not None:
+                batch_features, label = gather((features.pop().to(label.device), label))
+                features.append(batch_features.cpu())
+            labels.append(label.cpu())
             count += labels[-1].numel()
             if max_samples is not None and count >= max_samples:
                 break
@@ -221,6 +238,7 @@ def fit_linear_probe(
     batches: Iterable[Mapping],
     max_samples: int | None = None,
     l2: float = 1e-2,
+    gather=None,
 ) -> float:
     """Fit the last `nn.Linear` of `head` as a logistic regression on the frozen features it receives.
 
@@ -230,12 +248,14 @@ def fit_linear_probe(
         batches (`Iterable[Mapping]`): model inputs with `labels` (or `label`), e.g. a training `DataLoader`.
         max_samples (`int`, *optional*): stop collecting features after this many examples.
         l2 (`float`, defaults to 1e-2): L2 penalty on the weights (on standardised features).
+        gather (*optional*): gathers each batch's features and labels from every process (see
+            :func:`collect_head_inputs`): every process then fits the same head on the same examples.
 
     Returns:
         `float`: the probe's accuracy on the examples it was fitted on.
     """
     linear = last_trainable_linear(head)
-    features, labels = collect_head_inputs(model, linear, batches, max_samples)
+    features, labels = collect_head_inputs(model, linear, batches, max_samples, gather)
     has_bias = linear.bias is not None
     weight, bias = fit_logistic_regression(features, labels, linear.out_features, l2=l2, fit_intercept=has_bias)
     linear.weight.copy_(weight.to(linear.weight))
@@ -255,6 +275,10 @@ class FirstOrderHead:
     of a forward pass carries a graph through the heads only; :meth:`backward` accumulates their gradients and
     :meth:`step` applies the mean gradient with AdamW. The body runs without autograd as before.
 
+    The gradients are summed per micro-batch (:meth:`end_micro_batch`), then over micro-batches, then over ranks in
+    rank order, so `k` data-parallel ranks and one process accumulating the same `k` micro-batches add the same
+    numbers in the same order and train bit-identical heads.
+
     Args:
         heads (`Mapping[str, nn.Module]`): the head modules.
         params (`list[torch.Tensor]`): their trainable parameters.
@@ -270,6 +294,7 @@ class FirstOrderHead:
         self.params = params
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.num_backward = 0
+        self._sums: list[torch.Tensor | None] = [None] * len(params)  # gradient sums of the finished micro-batches
         self._active = 0  # captures in progress (the dual engine runs both forwards' closures concurrently)
         self._handles = [h.register_forward_pre_hook(self._enter_head) for h in heads.values()]
 
@@ -298,21 +323,28 @@ class FirstOrderHead:
             return loss.detach()
         return loss
 
+    def end_micro_batch(self) -> None:
+        """Close the current micro-batch: add its gradients (the sum over its forward passes) to the step's sums."""
+        for index, p in enumerate(self.params):
+            if p.grad is not None:
+                total = self._sums[index]
+                self._sums[index] = p.grad if total is None else total + p.grad
+                p.grad = None
+
     def step(self) -> None:
-        """Apply the mean of the accumulated gradients (averaged over ranks when distributed) and clear them."""
-        if self.num_backward == 0:
-            return
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        for p in self.params:
-            if p.grad is None:
-                continue
-            p.grad.div_(self.num_backward)
-            if distributed and torch.distributed.get_world_size() > 1:
-                # SUM then divide: gloo has no AVG; every rank receives the same bits, so replicas stay identical.
-                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
-                p.grad.div_(torch.distributed.get_world_size())
-        self.optimizer.step()
+        """Apply the mean of the step's gradients (over every forward pass of every rank) and clear them."""
+        self.end_micro_batch()
+        count = self.num_backward
+        sums = self._sums
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            count = int(_sum_in_rank_order(torch.tensor([count], dtype=torch.int64)))
+            sums = [None if total is None else _sum_in_rank_order(total) for total in sums]
+        if count:
+            for p, total in zip(self.params, sums):
+                p.grad = None if total is None else total / count
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._sums = [None] * len(self.params)
         self.num_backward = 0
 
     def close(self) -> None:
@@ -343,6 +375,11 @@ class ZOHeads(TrainerCallback):
     def backward(self, loss):
         """Accumulate the first-order head's gradients of `loss`; returns `loss` detached."""
         return self.first_order.backward(loss) if self.first_order is not None else loss
+
+    def end_micro_batch(self) -> None:
+        """Mark the end of a micro-batch's forward passes (see :meth:`FirstOrderHead.end_micro_batch`)."""
+        if self.first_order is not None:
+            self.first_order.end_micro_batch()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.first_order is not None:
@@ -385,9 +422,9 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
         name, head = list(heads.items())[-1]  # the module that produces the logits
-        batches = trainer.get_eval_dataloader(trainer.train_dataset)
-        accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples)
-        _broadcast_from_main(head)
+        batches = trainer.get_eval_dataloader(trainer.train_dataset)  # sharded over the processes, if several
+        gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
+        accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples, gather=gather)
         logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
     if head_training != "first_order":
         return ZOHeads(list(heads))
@@ -406,8 +443,13 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     return zo_heads
 
 
-def _broadcast_from_main(module: nn.Module) -> None:
-    """Make every rank hold rank 0's fitted head (ranks may have probed different data shards)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        for tensor in module.parameters():
-            torch.distributed.broadcast(tensor.data, src=0)
+def _sum_in_rank_order(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's `tensor`, added in rank order: the same bits on every rank and the same additions as
+    one process accumulating the ranks' micro-batches in turn (an all-reduce's order depends on the backend). A
+    head-sized exchange."""
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, tensor.contiguous())
+    total = gathered[0]
+    for part in gathered[1:]:
+        total = total + part
+    return total

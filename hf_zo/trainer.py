@@ -26,7 +26,7 @@ from .engine import DualEngine
 from .heads import ZOHeads, prepare_zo_heads
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
-from .parallel.verify import ReplicaCheckCallback
+from .parallel.replicas import ReplicaCallback
 from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 
 logger = logging.get_logger(__name__)
@@ -83,14 +83,22 @@ class ZOTrainer(Trainer):
             args = ZOConfig(output_dir=f"{model_name.split('/')[-1]}-ZO")
         elif not isinstance(args, ZOConfig):
             args = _to_zo_config(args)
-        if model is not None:
+        if model is not None and train_dataset is not None:  # a model loaded to be evaluated may be frozen
             _check_trainable(model)
-        # The plugin holds the execution layout, offload included. Blocks go to their storage tier before Trainer
-        # places the model: they ignore `.to()`, so only the resident modules reach the device.
+        # The plugin holds the execution layout, offload included. It fails now, not at train(), on a bad layout,
+        # and destroys the process groups at exit.
         self.zo_plugin = DistZOPlugin.from_zo_config(args)
+        self.zo_plugin.setup()
+        _check_parallel_mode(args, self.zo_plugin.mesh.world_size)
         self.zo_offloader = None
-        if model is not None and self.zo_plugin.offload is not None:
-            self.zo_offloader = self.zo_plugin.prepare_model(model, args.device)
+        if model is not None:
+            # What DDP does when it wraps a model: every rank starts from rank 0's weights (a new head or LoRA matrix
+            # is initialised from each process's own RNG). Done before offload, while every tensor is resident.
+            self.zo_plugin.sync_replicas(_named_state(model))
+            # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the
+            # resident modules reach the device.
+            if self.zo_plugin.offload is not None:
+                self.zo_offloader = self.zo_plugin.prepare_model(model, args.device)
         super().__init__(
             model=model,
             args=args,
@@ -109,11 +117,13 @@ class ZOTrainer(Trainer):
         self.add_callback(ZOFlushCallback)
         self.zo_trajectory_callback = ZOTrajectoryCallback()
         self.add_callback(self.zo_trajectory_callback)
-        self.zo_plugin.setup()  # fails now, not at train(), on a bad layout; destroys the process groups at exit
-        if self.args.zo_verify_replicas_steps and self.zo_plugin.is_distributed:
+        if self.zo_plugin.is_distributed:
             self.add_callback(
-                ReplicaCheckCallback(
-                    self.args.zo_verify_replicas_steps, self.zo_plugin.collectives, lambda: self.zo_optimizer
+                ReplicaCallback(
+                    self.args.zo_verify_replicas_steps,
+                    self.zo_plugin.replica_collectives,
+                    lambda: _named_state(self.model, trainable_only=True),
+                    flush=self.flush_pending_update,
                 )
             )
         if self.optimizer is not None:
@@ -234,6 +244,7 @@ class ZOTrainer(Trainer):
         optimizer = self.zo_optimizer
         skipped_before = optimizer.num_skipped
         records = optimizer.estimate(closure)
+        self.zo_heads.end_micro_batch()
         self._zo_log_skipped += optimizer.num_skipped - skipped_before
         self._zo_log_grads.extend(r.projected_grad for r in records)
         loss = sum(r.loss for r in records) / len(records) if records else math.nan
@@ -259,6 +270,7 @@ class ZOTrainer(Trainer):
     def train(self, *args, **kwargs):
         """`Trainer.train`, with the head options (`zo_head_*`) applied first and the last pending update applied
         before returning."""
+        _check_trainable(self.model)
         self.zo_heads.close()
         if self.zo_heads in self.callback_handler.callbacks:
             self.remove_callback(self.zo_heads)
@@ -381,6 +393,25 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
         kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
         kwargs["adam_eps"] = args.adam_epsilon
     return cls(param_groups, **kwargs)
+
+
+def _named_state(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The tensors replicas must agree on: the parameters (only the trainable ones if `trainable_only`) and the
+    buffers of `model`, with their names."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only]
+    return params + list(model.named_buffers())
+
+
+def _check_parallel_mode(args: TrainingArguments, world_size: int) -> None:
+    """Fail when several processes were launched but `TrainingArguments` set up a single-process state: each
+    process would then evaluate the whole set, log and save on its own."""
+    if world_size > 1 and args.world_size != world_size:
+        raise ValueError(
+            f"{world_size} processes were launched, but Accelerate's state is "
+            f"{getattr(args.distributed_state, 'distributed_type', None)} with world size {args.world_size}, so "
+            "evaluation, logging and saving would not be coordinated. On CPUs set ACCELERATE_USE_CPU=true (or "
+            "use_cpu=True); with GPUs, give each process its own device."
+        )
 
 
 def _check_trainable(model: torch.nn.Module) -> None:

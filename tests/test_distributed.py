@@ -113,7 +113,8 @@ def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, referen
 
 @pytest.mark.multiprocess
 def test_data_parallel_classifier_replicas_agree_with_zo_and_first_order_heads(dp2):
-    # The first-order head's gradients are all-reduced (head-sized, the one non-scalar exchange).
+    # The first-order head's gradient sums are all-gathered and added in rank order (head-sized, the one non-scalar
+    # exchange).
     for run in ("bert", "bert_first_order"):
         _assert_bitwise_equal(dp2[0]["runs"][run]["params"], dp2[1]["runs"][run]["params"])
 
@@ -261,7 +262,7 @@ def test_replica_verification_passes_on_agreeing_replicas_and_stops_diverged_one
 
 
 def test_parameter_checksum_sees_every_bit():
-    from hf_zo.parallel.verify import parameter_checksum
+    from hf_zo.parallel.replicas import parameter_checksum
 
     tensors = [torch.randn(1000), torch.randn(3, 7).to(torch.bfloat16)]
     reference = parameter_checksum(tensors)

@@ -17,6 +17,7 @@ from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
+from .replicas import sync_replicas
 from .sliced import SlicedTransport, build_slice_group
 
 ENV_PREFIX = "HF_ZO_"
@@ -61,6 +62,9 @@ class DistZOPlugin:
     Attributes:
         mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
         collectives (`ScalarCollectives`): the counted collectives of the mesh, once :meth:`setup` has run.
+        replica_collectives (`ScalarCollectives`): the collectives that keep the replicas identical (the start-of-run
+            synchronisation and the checksums of `zo_verify_replicas_steps`), counted apart from the per-step
+            scalars of :attr:`collectives`.
         upload_stats (`CommStats`): the bytes of the sliced upload's block all-gathers (parameter bytes over the
             device interconnect), counted apart from the scalar collectives of :attr:`collectives`.
         offloader (`BlockOffloader`): the model's offloaded blocks, once :meth:`prepare_model` has offloaded them.
@@ -76,6 +80,7 @@ class DistZOPlugin:
     sliced_upload: bool | None = None
     mesh: ZOMesh | None = field(default=None, init=False, repr=False)
     collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
+    replica_collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
     upload_stats: CommStats = field(default_factory=CommStats, init=False, repr=False)
     offloader: BlockOffloader | None = field(default=None, init=False, repr=False)
 
@@ -147,6 +152,7 @@ class DistZOPlugin:
             self.mesh = build_mesh(self.perturbation_parallel_size, self.backend, self.timeout)
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
             self.collectives = ScalarCollectives(device, self.timeout_seconds)
+            self.replica_collectives = ScalarCollectives(device, self.timeout_seconds)
         return self.mesh
 
     @property
@@ -161,6 +167,23 @@ class DistZOPlugin:
         return self.collectives.stats
 
     # ------------------------------------------------------------------ preparation
+
+    def sync_replicas(self, named_tensors) -> list[str]:
+        """Make every process hold rank 0's value of each tensor, as `DistributedDataParallel` does when it wraps a
+        model (see :func:`hf_zo.parallel.replicas.sync_replicas`: only the tensors that differ are sent).
+
+        Call it on every rank with the same tensors, e.g. `model.named_parameters()` before the model is offloaded
+        (`ZOTrainer` does, at construction). Nothing happens in a single process.
+
+        Args:
+            named_tensors (`Iterable[tuple[str, torch.Tensor]]`): the tensors to agree on, with their names.
+
+        Returns:
+            `list[str]`: the names of the tensors that were broadcast from rank 0.
+        """
+        if not self.is_distributed:
+            return []
+        return sync_replicas(named_tensors, self.replica_collectives)
 
     def prepare_model(self, model: nn.Module, device: torch.device | str | None = None) -> BlockOffloader | None:
         """Offload the blocks of `model` as :attr:`offload` says (nothing to do when it is `None`).
