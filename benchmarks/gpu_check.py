@@ -5,8 +5,9 @@ part that fails or hangs does not stop the others:
 
 - `environment`: Python, torch, CUDA and package versions, the GPU's name and memory;
 - `tests`: `pytest -m gpu` (tests/test_gpu.py and the other `gpu`-marked tests);
-- `step_cost`: `step_cost.py --device cuda` on an OPT-1.3B-shaped random model in bf16, full and LoRA: forward,
-  hf_zo ZO step (gaussian and table noise), MeZO reference step, first-order AdamW step, ratios, peak CUDA memory;
+- `step_cost`: `step_cost.py --device cuda` on an OPT-1.3B-shaped random model in bf16, full and LoRA, batch
+  16 x 256 tokens (MeZO's batch size): forward, hf_zo ZO step (gaussian and table noise), MeZO reference step,
+  first-order AdamW step, ratios, peak CUDA memory;
 - `offload`: `offload.py --gpu-only`: the dual engine resident against `dual+cpu` (prefetch 1 and 0) and
   `dual+disk` on the same 1.3B model, ratios to resident;
 - `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark.
@@ -48,28 +49,31 @@ class Part:
 
 
 def build_parts(python: str, out: Path) -> list[Part]:
-    """The parts in run order. Their limits add up to 7.5 minutes, so the whole run stays under 8."""
+    """The parts in run order. Their limits add up to 425 s: with the wrapper's 30 s for installing wheels, the
+    whole run stays under 8 minutes."""
     accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
     if (CARRY / "sst2").is_dir():
         accuracy += ["--data_dir", str(CARRY / "sst2")]
     if (CARRY / "minilm").is_dir():
         accuracy += ["--model", str(CARRY / "minilm")]
     return [
-        Part("environment", 30, [python, "benchmarks/gpu_check.py", "--environment"]),
+        Part("environment", 20, [python, "benchmarks/gpu_check.py", "--environment"]),
         Part(
             "tests",
             75,
             [python, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
-            + [f"--junitxml={out / 'tests.xml'}"],
+            # A test module that cannot be imported there fails the part but does not stop the GPU tests.
+            + ["--continue-on-collection-errors", f"--junitxml={out / 'tests.xml'}"],
         ),
         Part(
             "step_cost",
             120,
             [python, "benchmarks/step_cost.py", "--device", "cuda", "--dtype", "bfloat16", "--sizes", "opt-1.3b"]
-            + ["--modes", "full", "lora", "--steps", "3", "--warmup", "1", "--plot", ""],
+            + ["--modes", "full", "lora", "--batch", "16", "--length", "256", "--steps", "3", "--warmup", "1"]
+            + ["--plot", ""],
         ),
-        Part("offload", 105, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
-        Part("accuracy", 90, accuracy),
+        Part("offload", 135, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
+        Part("accuracy", 75, accuracy),
     ]
 
 

@@ -7,9 +7,10 @@
 #
 # The Python used is $PYTHON, else the Makefile's .venv, else python3 (on the lent machine: the image's, with its
 # CUDA torch). That machine reaches no registry, so the packages its image lacks come as wheels in
-# .gpu_check/wheels and are installed without an index. Only when the chosen Python still cannot import what the
-# checks need does the project's Makefile install them (`make install`, TORCH=... passed through), which needs
-# registries.
+# .gpu_check/wheels and are installed without an index. When the chosen Python still lacks what the checks need
+# and TORCH names a torch requirement (e.g. TORCH=torch==2.13.0, a CUDA build on Linux from PyPI), the project's
+# Makefile installs everything into .venv (`make install TORCH=...`, which needs registries); an install is never
+# tried without TORCH, so a machine with no registry does not wait on the network.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -38,10 +39,13 @@ if ! has_needed && compgen -G ".gpu_check/wheels/*.whl" >/dev/null; then
 fi
 
 if ! has_needed; then
-    echo "gpu_check.sh: $PYTHON lacks one of: $needed; installing with the Makefile"
-    make_args=(install PYTHON=python3)
-    if [ -n "${TORCH:-}" ]; then make_args+=("TORCH=$TORCH"); fi
-    make "${make_args[@]}" && PYTHON=.venv/bin/python
+    if [ -n "${TORCH:-}" ]; then
+        echo "gpu_check.sh: $PYTHON lacks one of: $needed; make install TORCH=$TORCH"
+        make install PYTHON=python3 "TORCH=$TORCH" && PYTHON=.venv/bin/python
+    else
+        echo "gpu_check.sh: $PYTHON lacks one of: $needed. With package registries, set TORCH to a CUDA torch" \
+            "requirement to install with the Makefile; without, carry .gpu_check/ (--prepare). Running anyway." >&2
+    fi
 fi
 
 exec "$PYTHON" benchmarks/gpu_check.py "$@"
