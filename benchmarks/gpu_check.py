@@ -114,7 +114,7 @@ def parse_figures(output: str) -> list[dict]:
     return [f for f in figures if isinstance(f, dict)]
 
 
-def test_figure(junit: Path) -> list[dict]:
+def junit_figure(junit: Path) -> list[dict]:
     """One figure from pytest's JUnit XML report: counts, failing tests, and why tests were skipped."""
     if not junit.exists():
         return []
@@ -173,7 +173,7 @@ def run_part(part: Part, env: dict, out: Path) -> dict:
         output = log.read()
     figures = parse_figures(output)
     if part.name == "tests":
-        figures = test_figure(out / "tests.xml")
+        figures = junit_figure(out / "tests.xml")
     status, note = outcome(part, returncode, figures, output)
     return dict(
         part=part.name, status=status, note=note, seconds=round(seconds, 1), figures=figures, limit_s=part.limit_s

@@ -74,3 +74,24 @@ def test_outcome_of_a_part():
     assert gpu_check.outcome(part, 124, [measured], "") == ("failed", "time limit of 120 s reached")
     tests = gpu_check.Part("tests", 75, ["pytest"])
     assert gpu_check.outcome(tests, 5, [], "") == ("failed", "no test carries the `gpu` marker")
+
+
+def test_pytest_report_becomes_one_figure(tmp_path):
+    report = tmp_path / "tests.xml"
+    report.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites>'
+        '<testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="3.21">'
+        '<testcase classname="tests.test_gpu" name="test_a" time="0.1"/>'
+        '<testcase classname="tests.test_gpu" name="test_b" time="0.1"><failure message="assert 0 == 1"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_c" time="0"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="tests.test_other" name="" time="0"><error message="collection failure"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    (figure,) = _gpu_check_module().junit_figure(report)
+    assert figure == {
+        "tests_passed": 1,
+        "tests_failed": 2,
+        "tests_skipped": 1,
+        "seconds": 3.2,
+        "failed_tests": ["tests.test_gpu::test_b", "tests.test_other::"],
+    }
