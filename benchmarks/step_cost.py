@@ -17,6 +17,11 @@ was built (libraries only), so it counts weights, activations and every temporar
     python benchmarks/step_cost.py                      # tiny, small and OPT-125M shapes, full and LoRA
     python benchmarks/step_cost.py --sizes opt-125m     # one shape
     python benchmarks/step_cost.py --sizes opt-350m     # larger shapes on request
+    python benchmarks/step_cost.py --device cuda --dtype bfloat16 --sizes opt-1.3b   # on a GPU
+
+With `--device cuda` the model, the batch and every step run on the GPU, each timed step ends with
+`torch.cuda.synchronize()`, and peak memory is `torch.cuda.max_memory_allocated` (weights included) instead of the
+resident set size; without a CUDA device it prints one JSON line with a `skipped` reason and exits 0.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ SHAPES = {
     "small": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4, vocab_size=8192),
     "opt-125m": dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12, vocab_size=50272),
     "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16, vocab_size=50272),
+    "opt-1.3b": dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32, vocab_size=50272),
 }
 DEFAULT_SIZES = ["tiny", "small", "opt-125m"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_model(shape: str, lora: bool):
-    """A random OPT of the named shape (optionally with LoRA r=8 on q_proj, v_proj)."""
+def build_model(shape: str, lora: bool, device: str = "cpu", dtype: str = "float32"):
+    """A random OPT of the named shape (optionally with LoRA r=8 on q_proj, v_proj), built on `device` in `dtype`."""
     import torch
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -54,7 +60,9 @@ def build_model(shape: str, lora: bool):
         dropout=0.0,
         attention_dropout=0.0,
     )
-    model = OPTForCausalLM(config)
+    # Initialised where it will run: a 1.3B model's random init on the CPU alone costs more than its measurement.
+    with torch.device(device):
+        model = OPTForCausalLM(config).to(getattr(torch, dtype))
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -71,8 +79,37 @@ def make_dataset(vocab_size: int, batch: int, length: int, steps: int):
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * len(ids), "labels": ids})
 
 
+def synchronize() -> None:
+    """Wait for queued CUDA work, so that a timer read afterwards counts it (no-op without CUDA in use)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class CudaPeakMemory:
+    """Context manager keeping `torch.cuda.max_memory_allocated` of its block, the CUDA analogue of `PeakMemory`.
+
+    Attributes:
+        peak_bytes (`int`): the most bytes allocated on the GPU at any time inside the block.
+    """
+
+    def __enter__(self) -> CudaPeakMemory:
+        import torch
+
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        synchronize()
+        self.peak_bytes = torch.cuda.max_memory_allocated()
+
+
 class StepTimer:
-    """A `TrainerCallback` recording the wall time of each optimizer step."""
+    """A `TrainerCallback` recording the wall time of each optimizer step (GPU work included)."""
 
     def __init__(self):
         from transformers import TrainerCallback
@@ -81,33 +118,37 @@ class StepTimer:
 
         class _Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
+                synchronize()
                 timer._start = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
+                synchronize()
                 timer.durations.append(time.perf_counter() - timer._start)
 
         self.durations: list[float] = []
         self.callback = _Callback()
 
 
-def time_trainer(trainer_cls, model, args_cls, dataset, steps: int, warmup: int, **extra):
+def time_trainer(
+    trainer_cls, model, args_cls, dataset, steps: int, warmup: int, device: str = "cpu", batch: int = 8, **extra
+):
     from hf_zo.demo.memory import PeakMemory
 
     args = args_cls(
         output_dir="/tmp/hf_zo_bench",
         max_steps=steps + warmup,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=batch,
         save_strategy="no",
         report_to=[],
         disable_tqdm=True,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         logging_steps=10_000,
         dataloader_num_workers=0,
         **extra,
     )
     timer = StepTimer()
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=[timer.callback])
-    with PeakMemory() as memory:
+    with CudaPeakMemory() if device == "cuda" else PeakMemory() as memory:
         trainer.train()
     return statistics.median(timer.durations[warmup:]), memory
 
@@ -142,44 +183,66 @@ def mezo_reference_step(model, batch, lr=1e-6, eps=1e-3, weight_decay=0.0):
                 p.data = p.data - lr * (projected_grad * z)
 
 
-def measure(shape: str, lora: bool, steps: int, warmup: int, length: int = 64, batch: int = 8) -> dict:
+def measure(
+    shape: str,
+    lora: bool,
+    steps: int,
+    warmup: int,
+    length: int = 64,
+    batch: int = 8,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """All four measurements for one configuration, in this process."""
+    import gc
+
     import torch
     from transformers import Trainer, TrainingArguments
 
     from hf_zo import ZOConfig, ZOTrainer
     from hf_zo.demo.memory import PeakMemory, resident_bytes
 
-    baseline = resident_bytes()
+    on_cuda = device == "cuda"
+    peak_memory = CudaPeakMemory if on_cuda else PeakMemory
+    baseline = 0 if on_cuda else resident_bytes()
     dataset = make_dataset(SHAPES[shape]["vocab_size"], batch, length, steps + warmup)
-    batch_inputs = {k: torch.tensor(dataset[:batch][k]) for k in ("input_ids", "attention_mask", "labels")}
+    batch_inputs = {
+        k: torch.tensor(dataset[:batch][k], device=device) for k in ("input_ids", "attention_mask", "labels")
+    }
 
-    model = build_model(shape, lora).eval()
+    model = build_model(shape, lora, device, dtype).eval()
     durations = []
-    with PeakMemory() as inference_memory, torch.no_grad():
+    with peak_memory() as inference_memory, torch.no_grad():
         for _ in range(warmup + steps):
             start = time.perf_counter()
             model(**batch_inputs)
+            synchronize()
             durations.append(time.perf_counter() - start)
     forward = statistics.median(durations[warmup:])
 
     lr = 1e-4 if lora else 1e-6
-    zo_step, zo_memory = time_trainer(ZOTrainer, model, ZOConfig, dataset, steps, warmup, learning_rate=lr)
+    zo_step, zo_memory = time_trainer(
+        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr
+    )
     zo_table_step, _ = time_trainer(
-        ZOTrainer, model, ZOConfig, dataset, steps, warmup, learning_rate=lr, zo_noise="table"
+        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr, zo_noise="table"
     )
 
     durations = []
-    with PeakMemory() as mezo_memory:
+    with peak_memory() as mezo_memory:
         for _ in range(warmup + steps):
             start = time.perf_counter()
             mezo_reference_step(model, batch_inputs, lr=lr)
+            synchronize()
             durations.append(time.perf_counter() - start)
     mezo_step = statistics.median(durations[warmup:])
 
     del model
-    model = build_model(shape, lora)
-    fo_step, fo_memory = time_trainer(Trainer, model, TrainingArguments, dataset, steps, warmup, learning_rate=lr)
+    gc.collect()  # the ZO trainers' reference cycles would otherwise keep the first model on the GPU
+    model = build_model(shape, lora, device, dtype)
+    fo_step, fo_memory = time_trainer(
+        Trainer, model, TrainingArguments, dataset, steps, warmup, device, batch, learning_rate=lr
+    )
 
     def above_baseline(memory):
         return (memory.peak_bytes - baseline) / 2**20
@@ -190,6 +253,9 @@ def measure(shape: str, lora: bool, steps: int, warmup: int, length: int = 64, b
         "mode": "lora" if lora else "full",
         "trainable_params": trainable,
         "batch": f"{batch}x{length}",
+        "device": device,
+        "dtype": dtype,
+        "peak_memory": "torch.cuda.max_memory_allocated" if on_cuda else "resident set size above baseline",
         "threads": torch.get_num_threads(),
         "forward_s": round(forward, 4),
         "zo_step_s": round(zo_step, 4),
@@ -266,22 +332,37 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument("--steps", type=int, default=5, help="measured steps per phase (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "step_cost.png"))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "step_cost.png"), help="'' for no plot")
     parser.add_argument("--single", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.single:
         shape, mode = args.single
-        print(json.dumps(measure(shape, mode == "lora", args.steps, args.warmup)))
+        measured = measure(
+            shape, mode == "lora", args.steps, args.warmup, args.length, args.batch, args.device, args.dtype
+        )
+        print(json.dumps(measured))
         return
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(json.dumps({"device": "cuda", "skipped": "CUDA is not available"}), flush=True)
+            return
 
     results = []
     for shape in args.sizes:
         for mode in args.modes:
             command = [sys.executable, __file__, "--single", shape, mode, "--steps", str(args.steps)]
-            command += ["--warmup", str(args.warmup)]
+            command += ["--warmup", str(args.warmup), "--device", args.device, "--dtype", args.dtype]
+            command += ["--batch", str(args.batch), "--length", str(args.length)]
             env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+            # stderr passes through: a failing configuration shows its traceback.
+            out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
             result = json.loads(out.strip().splitlines()[-1])
             print(json.dumps(result), flush=True)
             results.append(result)

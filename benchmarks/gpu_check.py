@@ -1,0 +1,269 @@
+"""Every GPU check in one bounded run, for a lent GPU machine (see docs/benchmarks.md, "On a GPU").
+
+Runs these parts one after the other, each in its own process group under its own time limit (`timeout`), so that a
+part that fails or hangs does not stop the others:
+
+- `environment`: Python, torch, CUDA and package versions, the GPU's name and memory;
+- `tests`: `pytest -m gpu` over the test modules that use the marker (tests/test_gpu.py, test_offload.py, ...);
+- `step_cost`: `step_cost.py --device cuda` on an OPT-1.3B-shaped random model in bf16, full and LoRA, batch
+  16 x 256 tokens (MeZO's batch size): forward, hf_zo ZO step (gaussian and table noise), MeZO reference step,
+  first-order AdamW step, ratios, peak CUDA memory;
+- `offload`: `offload.py --gpu-only`: the dual engine resident against `dual+cpu` (prefetch 1 and 0) and
+  `dual+disk` on the same 1.3B model, ratios to resident;
+- `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark.
+
+Writes under the output folder (`--out`, default `$OUT`): `figures.jsonl` (one JSON line per figure, tagged with its
+part), `summary.md` (a status table and the figures as tables; also printed at the end), `log.txt` (every part's
+output) and `tests.xml` (pytest's JUnit report). A part is `passed`, `skipped` (it found no CUDA device: not a
+failure) or `failed` (non-zero exit, time limit reached, or no figures); the exit code is 1 when a part failed.
+
+    bash benchmarks/gpu_check.sh               # the checks (the wrapper installs carried wheels first)
+    bash benchmarks/gpu_check.sh --dry-run     # CUDA hidden: every part starts, finds no CUDA and skips
+    bash benchmarks/gpu_check.sh --parts tests offload   # rerun some parts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CARRY = ROOT / ".gpu_check"
+"""What `gpu_carry.py` prepares and the device call carries: wheels, the SST-2 files, a half-precision MiniLM."""
+
+
+@dataclass
+class Part:
+    """One check: a command run from the repository root under a time limit."""
+
+    name: str
+    limit_s: int
+    command: list[str]
+
+
+def gpu_test_files() -> list[str]:
+    """The test modules that use the `gpu` marker: pytest then imports only these (faster, and a module that cannot
+    be imported on the GPU machine for unrelated reasons does not get in the way)."""
+    return sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in path.read_text()
+    )
+
+
+def build_parts(python: str, out: Path) -> list[Part]:
+    """The parts in run order. Their limits add up to 405 s; with 5 s of grace each before a kill and the wrapper's
+    30 s for installing wheels, the whole run stays under 8 minutes."""
+    accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
+    if (CARRY / "sst2").is_dir():
+        accuracy += ["--data_dir", str(CARRY / "sst2")]
+    if (CARRY / "minilm").is_dir():
+        accuracy += ["--model", str(CARRY / "minilm")]
+    return [
+        Part("environment", 20, [python, "benchmarks/gpu_check.py", "--environment"]),
+        Part(
+            "tests",
+            70,
+            [python, "-m", "pytest", *gpu_test_files(), "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+            + [f"--junitxml={out / 'tests.xml'}"],
+        ),
+        Part(
+            "step_cost",
+            115,
+            [python, "benchmarks/step_cost.py", "--device", "cuda", "--dtype", "bfloat16", "--sizes", "opt-1.3b"]
+            + ["--modes", "full", "lora", "--batch", "16", "--length", "256", "--steps", "3", "--warmup", "1"]
+            + ["--plot", ""],
+        ),
+        Part("offload", 130, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
+        Part("accuracy", 70, accuracy),
+    ]
+
+
+def environment() -> dict:
+    """Versions and the GPU, as one figure."""
+    from importlib import metadata
+
+    import torch
+
+    figure = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count(),
+        "cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        figure.update(gpu=properties.name, gpu_memory_gib=round(properties.total_memory / 2**30, 1))
+    for package in ("transformers", "peft", "accelerate", "datasets", "evaluate", "pytest"):
+        try:
+            figure[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            figure[package] = None
+    return figure
+
+
+def parse_figures(output: str) -> list[dict]:
+    """The JSON objects printed one per line (the benchmarks' figures) in a part's output."""
+    figures = []
+    for line in output.splitlines():
+        if line.startswith("{"):
+            try:
+                figures.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a log line that merely starts with a brace
+    return [f for f in figures if isinstance(f, dict)]
+
+
+def junit_figure(junit: Path) -> list[dict]:
+    """One figure from pytest's JUnit XML report: counts, failing tests, and why tests were skipped."""
+    if not junit.exists():
+        return []
+    suite = ElementTree.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    failed, reasons = [], set()
+    for case in suite.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+        skip = case.find("skipped")
+        if skip is not None:
+            reasons.add(skip.get("message", "").removeprefix("collection skipped: "))
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    figure = {
+        "tests_passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "tests_failed": counts["failures"] + counts["errors"],
+        "tests_skipped": counts["skipped"],
+        "seconds": round(float(suite.get("time", 0.0)), 1),
+        "failed_tests": failed,
+    }
+    if counts["tests"] and counts["skipped"] == counts["tests"]:
+        figure["skipped"] = "; ".join(sorted(reasons))
+    return [figure]
+
+
+def outcome(part: Part, returncode: int, figures: list[dict], output: str) -> tuple[str, str]:
+    """`(status, note)` of a finished part."""
+    if returncode in (124, 137):  # timeout's exit codes: TERM sent, or KILL after the grace period
+        return "failed", f"time limit of {part.limit_s} s reached"
+    if returncode == 5 and part.name == "tests":
+        return "failed", "no test carries the `gpu` marker"
+    if returncode:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
+        return "failed", f"exit code {returncode}: {last[0][:200]}"
+    skips = sorted({f["skipped"] for f in figures if "skipped" in f})
+    if skips and len(skips) == len(figures):
+        return "skipped", "; ".join(skips)
+    if not figures:
+        return "failed", "printed no figures"
+    return "passed", ""
+
+
+def run_part(part: Part, env: dict, out: Path) -> dict:
+    """Run one part under `timeout` (which signals its whole process group), appending its output to the log."""
+    log_path = out / "log.txt"
+    with log_path.open("a") as log:
+        log.write(f"\n===== {part.name} (limit {part.limit_s} s): {' '.join(part.command)}\n")
+        log.flush()
+        offset = log.tell()
+        start = time.monotonic()
+        command = ["timeout", "--kill-after=5", str(part.limit_s), *part.command]
+        returncode = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        seconds = time.monotonic() - start
+    with log_path.open() as log:
+        log.seek(offset)
+        output = log.read()
+    figures = parse_figures(output)
+    if part.name == "tests":
+        figures = junit_figure(out / "tests.xml")
+    status, note = outcome(part, returncode, figures, output)
+    return dict(
+        part=part.name, status=status, note=note, seconds=round(seconds, 1), figures=figures, limit_s=part.limit_s
+    )
+
+
+def markdown_tables(figures: list[dict]) -> list[str]:
+    """Figures as Markdown tables, one per distinct set of keys (values that are not scalars as JSON)."""
+    groups: dict[tuple, list[dict]] = {}
+    for figure in figures:
+        groups.setdefault(tuple(figure), []).append(figure)
+    lines = []
+    for keys, rows in groups.items():
+        lines += ["", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+        for row in rows:
+            cells = [v if isinstance(v, (str, int, float)) or v is None else json.dumps(v) for v in row.values()]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def summary(results: list[dict], dry_run: bool, started: float) -> str:
+    """The Markdown summary: one status row per part, then each part's figures."""
+    title = "GPU check (dry run: CUDA hidden)" if dry_run else "GPU check"
+    lines = [
+        f"# {title}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}",
+        "",
+        f"Total {time.time() - started:.0f} s. `skipped` means the part found no CUDA device (not a failure).",
+        "",
+        "| part | status | seconds (limit) | note |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(f"| {r['part']} | {r['status']} | {r['seconds']} ({r['limit_s']}) | {r['note']} |")
+    for r in results:
+        measured = [f for f in r["figures"] if "skipped" not in f]
+        if measured:
+            lines += ["", f"## {r['part']}"] + markdown_tables(measured)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results", help="Output folder.")
+    parser.add_argument("--dry-run", action="store_true", help="Hide CUDA from every part: each must skip cleanly.")
+    parser.add_argument("--parts", nargs="+", help="Run only these parts (default: all, in order).")
+    parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.environment:
+        print(json.dumps(environment()), flush=True)
+        return
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    parts = build_parts(sys.executable, out)
+    names = [p.name for p in parts]
+    unknown = sorted(set(args.parts or []) - set(names))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {names}")
+    parts = [p for p in parts if args.parts is None or p.name in args.parts]
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    figures_path = out / "figures.jsonl"
+    for name in ("log.txt", "figures.jsonl", "tests.xml"):
+        (out / name).unlink(missing_ok=True)
+    started = time.time()
+    print(f"gpu_check: {len(parts)} parts, at most {sum(p.limit_s for p in parts)} s; output in {out}", flush=True)
+    results = []
+    for part in parts:
+        print(f"gpu_check: {part.name} (limit {part.limit_s} s) ...", flush=True)
+        result = run_part(part, env, out)
+        results.append(result)
+        with figures_path.open("a") as figures_file:
+            for figure in result["figures"]:
+                figures_file.write(json.dumps({"part": part.name, **figure}) + "\n")
+        note = f": {result['note']}" if result["note"] else ""
+        print(f"gpu_check: {part.name} {result['status']} in {result['seconds']} s{note}", flush=True)
+        (out / "summary.md").write_text(summary(results, args.dry_run, started))  # kept current if the run is cut
+    print("\n" + (out / "summary.md").read_text(), flush=True)
+    sys.exit(1 if any(r["status"] == "failed" for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()

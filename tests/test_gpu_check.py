@@ -1,0 +1,97 @@
+"""benchmarks/gpu_check.sh, the one-call GPU check: its dry run (every part starts, finds no CUDA, skips cleanly),
+its time limits and how it judges a part."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ["environment", "tests", "step_cost", "offload", "accuracy"]
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_starts_every_part_and_each_skips_cleanly(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "OUT"}
+    env["PYTHON"] = sys.executable
+    command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    figures = [json.loads(line) for line in (tmp_path / "figures.jsonl").read_text().splitlines()]
+    by_part = {}
+    for figure in figures:
+        by_part.setdefault(figure["part"], []).append(figure)
+    assert list(by_part) == PARTS
+    (environment,) = by_part["environment"]
+    assert environment["cuda_available"] is False and environment["torch"]
+    (tests,) = by_part["tests"]  # pytest really ran: its report counts the skipped gpu tests
+    assert tests["tests_passed"] == tests["tests_failed"] == 0
+    assert tests["tests_skipped"] >= 10 and tests["skipped"] == "needs a CUDA device"
+    for part in ("step_cost", "offload", "accuracy"):  # each script printed its own skip line
+        assert [f["skipped"] for f in by_part[part]] == ["CUDA is not available"], part
+
+    log = (tmp_path / "log.txt").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "dry run" in summary
+    for part in PARTS:
+        assert f"===== {part} (limit" in log
+        status = "passed" if part == "environment" else "skipped"
+        assert f"| {part} | {status} |" in summary
+        assert f"gpu_check: {part} {status} in" in result.stdout
+
+
+def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
+    gpu_check = _gpu_check_module()
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    part = gpu_check.Part("offload", 1, [sys.executable, "-c", child])
+    result = gpu_check.run_part(part, dict(os.environ), tmp_path)
+    assert result["status"] == "failed" and result["note"] == "time limit of 1 s reached"
+    assert result["seconds"] < 15
+
+
+def test_outcome_of_a_part():
+    gpu_check = _gpu_check_module()
+    part = gpu_check.Part("step_cost", 120, ["step_cost"])
+    skip = {"skipped": "CUDA is not available"}
+    measured = {"shape": "opt-1.3b", "zo_step/forward": 2.4}
+    assert gpu_check.outcome(part, 0, [skip], "") == ("skipped", "CUDA is not available")
+    assert gpu_check.outcome(part, 0, [measured], "") == ("passed", "")
+    assert gpu_check.outcome(part, 0, [], "") == ("failed", "printed no figures")
+    assert gpu_check.outcome(part, 1, [measured], "Traceback\nRuntimeError: CUDA out of memory\n") == (
+        "failed",
+        "exit code 1: RuntimeError: CUDA out of memory",
+    )
+    assert gpu_check.outcome(part, 124, [measured], "") == ("failed", "time limit of 120 s reached")
+    tests = gpu_check.Part("tests", 75, ["pytest"])
+    assert gpu_check.outcome(tests, 5, [], "") == ("failed", "no test carries the `gpu` marker")
+
+
+def test_pytest_report_becomes_one_figure(tmp_path):
+    report = tmp_path / "tests.xml"
+    report.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites>'
+        '<testsuite name="pytest" errors="1" failures="1" skipped="1" tests="4" time="3.21">'
+        '<testcase classname="tests.test_gpu" name="test_a" time="0.1"/>'
+        '<testcase classname="tests.test_gpu" name="test_b" time="0.1"><failure message="assert 0 == 1"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_c" time="0"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="tests.test_other" name="" time="0"><error message="collection failure"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    (figure,) = _gpu_check_module().junit_figure(report)
+    assert figure == {
+        "tests_passed": 1,
+        "tests_failed": 2,
+        "tests_skipped": 1,
+        "seconds": 3.2,
+        "failed_tests": ["tests.test_gpu::test_b", "tests.test_other::"],
+    }
