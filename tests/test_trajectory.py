@@ -1,12 +1,21 @@
-"""Trajectories: recording, bitwise replay (full, LoRA, stateful, across a resume), file integrity, CLI, Hub push."""
+"""Trajectories: recording, bitwise replay (full, LoRA, stateful, across a resume), file integrity, CLI, Hub push.
+
+The replays of the default user path (a pretrained model without a head, a classifier head fitted by the linear
+probe and trained first-order, a PEFT adapter) start from the saved base folder alone, through the CLI.
+"""
 
 import copy
+import hashlib
+import json
 import math
 import shutil
+import struct
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, PrefixTuningConfig, TaskType, get_peft_model
+from safetensors.torch import load_file
+from transformers import BertForSequenceClassification
 
 from hf_zo import (
     TRAJECTORY_NAME,
@@ -23,7 +32,7 @@ from hf_zo import (
 )
 from hf_zo.cli import main as cli_main
 
-from tiny_models import lm_dataset, tiny_causal_lm
+from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm
 
 
 def _args(output_dir, **overrides):
@@ -253,3 +262,118 @@ def test_push_trajectory_to_hub_uploads_file_and_card(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(path))
     assert list(ZOTrajectory.from_pretrained("me/run").steps()) == list(ZOTrajectory.load(path).steps())
+
+
+# ---------------------------------------------------------------------- the default user path, from the base alone
+
+
+def _save_headless_bert(path):
+    """A tiny BERT saved without a classification head, as a pretrained encoder is (all-MiniLM-L6-v2 is one)."""
+    tiny_bert_classifier().bert.save_pretrained(path)
+    return str(path)
+
+
+_USER_PATHS = {
+    "full": (None, {}),
+    "full-zo-head": (None, dict(zo_head_init="none", zo_head_training="zeroth_order")),
+    "lora": (lambda: LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]), {}),
+    "lora-head-init-none": (
+        lambda: LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]),
+        dict(zo_head_init="none"),
+    ),
+    "prefix": (lambda: PrefixTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=3), {}),
+}
+
+
+def _train_classifier(base, output_dir, peft_config, **overrides):
+    model = BertForSequenceClassification.from_pretrained(base, num_labels=2)  # the head is new and random
+    if peft_config is not None:
+        model = get_peft_model(model, peft_config())
+    args = _args(output_dir, max_steps=3, save_strategy="no", learning_rate=0.05, **overrides)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    trainer.train()
+    trainer.save_model()
+    return trainer
+
+
+@pytest.mark.parametrize("user_path", list(_USER_PATHS))
+def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, user_path):
+    peft_config, overrides = _USER_PATHS[user_path]
+    base = _save_headless_bert(tmp_path / "base")
+    trainer = _train_classifier(base, tmp_path / "run", peft_config, **overrides)
+
+    assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    weights = "model.safetensors" if peft_config is None else "adapter_model.safetensors"
+    trained, replayed = load_file(tmp_path / "run" / weights), load_file(tmp_path / "out" / weights)
+    _assert_bitwise(replayed, trained)
+    assert any("classifier" in name for name in replayed)  # the head is part of what the run changed
+
+    rebuilt = BertForSequenceClassification.from_pretrained(tmp_path / "out" if peft_config is None else base)
+    if peft_config is not None:
+        rebuilt = PeftModel.from_pretrained(rebuilt, tmp_path / "out")
+    batch = {k: torch.tensor(v) for k, v in classification_dataset(4, seed=9)[:].items() if k != "label"}
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+def test_trajectory_stores_the_adapter_start_and_the_head_end(tmp_path):
+    base = _save_headless_bert(tmp_path / "base")
+    trainer = _train_classifier(base, tmp_path / "run", _USER_PATHS["lora"][0])
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    adapter = [n for n, p in trainer.model.named_parameters() if p.requires_grad and "classifier" not in n]
+    assert sorted(trajectory.initial_tensors) == sorted(adapter)  # lora_A and lora_B: never in a base checkpoint
+    head = ["base_model.model.classifier.modules_to_save.default." + n for n in ("weight", "bias")]
+    assert sorted(trajectory.final_tensors) == sorted(head)  # trained first-order: its end values
+    named = dict(trainer.model.named_parameters())
+    _assert_bitwise(trajectory.final_tensors, {n: named[n].detach() for n in head})
+
+
+def test_full_fine_tuning_stores_only_what_the_checkpoint_lacks(tmp_path):
+    base = _save_headless_bert(tmp_path / "base")
+    _train_classifier(base, tmp_path / "run", None, zo_head_init="none", zo_head_training="zeroth_order")
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    assert sorted(trajectory.initial_tensors) == ["classifier.bias", "classifier.weight"]  # new, random
+    assert trajectory.final_tensors == {}
+
+
+def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys):
+    base = _save_headless_bert(tmp_path / "base")
+    _train_classifier(base, tmp_path / "run", None)
+    torch.manual_seed(1)
+    other = type(tiny_bert_classifier().bert)(tiny_bert_classifier(seed=1).config)
+    other.save_pretrained(tmp_path / "other")
+    assert cli_main(["replay", str(tmp_path / "other"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "is not the base the trajectory was recorded on" in capsys.readouterr().err
+
+
+def test_inspect_says_what_a_replay_needs_or_lacks(tmp_path, capsys):
+    base = _save_headless_bert(tmp_path / "base")
+    _train_classifier(base, tmp_path / "run", _USER_PATHS["lora"][0])
+    assert cli_main(["inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"replayable   yes, from {base} only (8 initial tensors and 2 final tensors" in out, out
+    assert "stored       initial 8 (" in out and "final 2 (66 elements)" in out, out
+
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    trajectory.final_tensors = {}  # as if saved without the model
+    trajectory.save(tmp_path / "partial.bin")
+    assert cli_main(["inspect", str(tmp_path / "partial.bin")]) == 0
+    assert "replayable   no: it lacks the end values of 2 tensors trained outside" in capsys.readouterr().out
+
+
+def test_format_version_1_still_loads_and_replays(tmp_path):
+    model, path = _small_trajectory(tmp_path)
+    trajectory = ZOTrajectory.load(path)
+    header = {k: v for k, v in trajectory.header.items() if k not in ("initial_tensors", "trained_outside")}
+    header_bytes = json.dumps(dict(header, format_version=1, num_steps=len(trajectory))).encode()
+    body = bytes(trajectory._body)
+    data = struct.pack("<8sIIQ", b"HFZOTRAJ", 1, len(header_bytes), len(body)) + header_bytes + body
+    path.write_bytes(data + hashlib.sha256(data).digest())
+
+    old = ZOTrajectory.load(path)
+    assert list(old.steps()) == list(trajectory.steps())
+    assert "exact weights it started" in old.replay_needs()
+    base = torch.nn.Linear(4, 2)
+    torch.manual_seed(0)
+    with pytest.raises(TrajectoryMismatchError, match="not the base"):
+        replay(base, old)  # v1 holds no initial tensors: only the exact start weights replay
