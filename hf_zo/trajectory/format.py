@@ -37,7 +37,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
 from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
-from .base import initial_tensors_not_in_base
+from .base import frozen_fingerprint, initial_tensors_not_in_base
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
@@ -188,7 +188,7 @@ class ZOTrajectory:
             "trained_outside": trained_outside,
             "device_type": optimizer.params.tensors[0][1].device.type,
             "first_step": optimizer.zo_step,
-            "checksums": {"start": checksum(named), "end": None},
+            "checksums": {"start": checksum(named), "end": None, "frozen": frozen_fingerprint(model)},
         }
         return cls(header, initial_tensors=initial)
 
@@ -446,6 +446,8 @@ class ZOTrajectory:
             )
         actual = checksum(trajectory_tensors(model, self.header))
         if actual["sha256"] == expected["sha256"]:
+            if stage == "start":
+                self._verify_frozen(model)
             return
         names = [parameter["name"] for parameter in self.header["parameters"]]
         differ = [name for name in names if actual["parameters"][name] != expected["parameters"].get(name)]
@@ -466,6 +468,18 @@ class ZOTrajectory:
             f"This model is not the base the trajectory was recorded on: {len(differ)} of "
             f"{len(expected['parameters'])} trainable parameters differ ({listed}). Load {load}, or pass "
             "verify=False to replay anyway (the result will not match the trained weights)."
+        )
+
+    def _verify_frozen(self, model: torch.nn.Module) -> None:
+        expected = self.header["checksums"].get("frozen")
+        if expected is None or frozen_fingerprint(model) == expected:
+            return
+        base = self.header["base_model"]
+        raise TrajectoryMismatchError(
+            f"The frozen weights of this model are not those of the base the trajectory was recorded on (their "
+            f"fingerprint over {expected['tensors']} tensors differs), so the trained tensors would be replayed onto "
+            f"another model. Load {base['name_or_path']!r} (revision {base['revision']!r}) with "
+            f"dtype={base['dtype']}, or pass verify=False to replay anyway."
         )
 
     def replayable(self) -> str | None:

@@ -108,7 +108,9 @@ def initial_model(model: torch.nn.Module, trajectory: ZOTrajectory) -> torch.nn.
             )
         from peft import get_peft_config, get_peft_model
 
-        config = get_peft_config(dict(peft, inference_mode=False))
+        # The adapter config names the base it is loaded onto now, as PEFT's own save does.
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        config = get_peft_config(dict(peft, inference_mode=False, base_model_name_or_path=name or None))
         # get_peft_model draws the adapter from the global RNG: the stored values replace it, the user's stream
         # stays untouched.
         with torch.random.fork_rng(devices=[]):
