@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, PrefixTuningConfig, TaskType, get_peft_model
+from peft import LoraConfig, PeftModel, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
 from safetensors.torch import load_file
 from transformers import BertForSequenceClassification, OPTForCausalLM
 
@@ -284,12 +284,13 @@ _USER_PATHS = {
 }
 
 
-def test_prefix_tuning_replays_from_the_base_folder_alone(tmp_path):
-    # transformers' BERT takes no past_key_values, so prefix tuning runs on a causal LM.
+@pytest.mark.parametrize("config_class", [PrefixTuningConfig, PromptTuningConfig], ids=["prefix", "prompt"])
+def test_prompt_learning_replays_from_the_base_folder_alone(tmp_path, config_class):
+    # transformers' BERT takes no past_key_values, so prefix and prompt tuning run on a causal LM.
     tiny_causal_lm("opt").save_pretrained(tmp_path / "base")
     model = get_peft_model(
         OPTForCausalLM.from_pretrained(tmp_path / "base"),
-        PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+        config_class(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
     )
     trainer = _train(model, tmp_path / "run", max_steps=3, save_strategy="no", learning_rate=0.05)
 

@@ -27,6 +27,9 @@ logger = logging.get_logger(__name__)
 _PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# A plain model's tensors missing from its checkpoint are a head or a few renamed norms; more than this means its
+# checkpoint names its tensors in a way not mapped here, and storing them would copy the model into each trajectory.
+MAX_PLAIN_INITIAL_BYTES = 64 * 2**20
 
 
 def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> list[str]:
@@ -40,7 +43,8 @@ def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> lis
         `list[str]`: the parameters a replay cannot restore by loading the base model, in the order of `names`.
         Without a checkpoint to compare with (a model built in code, a Hub model not in the local cache), these are
         the tensors of a PEFT adapter (never in a base model), and none of a plain model: its replay then needs the
-        very weights it started from, which `replay` checks.
+        very weights it started from, which `replay` checks. The same holds, with a warning, when a plain model's
+        missing tensors exceed `MAX_PLAIN_INITIAL_BYTES`.
     """
     checkpoint = BaseCheckpoint(model)
     named = dict(model.named_parameters())
@@ -52,6 +56,17 @@ def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> lis
         stored = checkpoint.read(named[name])
         if stored is None or stored.shape != tensor.shape or not torch.equal(stored.to(tensor), tensor):
             missing.append(name)
+    size = sum(named[n].numel() * named[n].element_size() for n in missing)
+    if not hasattr(model, "peft_config") and size > MAX_PLAIN_INITIAL_BYTES:
+        logger.warning(
+            "%d trainable tensors (%s, ...; %.0f MiB) differ from the base checkpoint or are not found in it under "
+            "their names; the trajectory does not store them, so it replays only onto the exact weights training "
+            "starts from.",
+            len(missing),
+            missing[0],
+            size / 2**20,
+        )
+        return []
     return missing
 
 
