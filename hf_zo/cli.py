@@ -207,3 +207,7 @@ def _describe(trajectory: ZOTrajectory, source: str) -> list[tuple[str, str]]:
         rows[-1] = ("checksums", f"{rows[-1][1]}, end {end['sha256'][:16]} (after step {end['step'] - 1})")
     rows.append(("replayable", f"yes, from {trajectory.replay_needs()}" if reason is None else f"no: {reason}"))
     return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,7 @@ def push_trajectory_to_hub(
     revision: str | None = None,
     commit_message: str = "Upload ZO trajectory",
 ):
-    """Push a trajectory instead of weights: a few kilobytes, with a model card that explains how to rebuild.
+    """Push a trajectory instead of weights: kilobytes, not gigabytes, with a model card that explains how to rebuild.
 
     Args:
         repo_id (`str`): the Hub model repository (created if missing).

@@ -115,6 +115,9 @@ def initial_model(model: torch.nn.Module, trajectory: ZOTrajectory) -> torch.nn.
         # stays untouched.
         with torch.random.fork_rng(devices=[]):
             model = get_peft_model(model, config)
+        # A classifier's PeftModel appends its head names to modules_to_save, which the recorded config already has.
+        if config.modules_to_save:
+            config.modules_to_save = list(dict.fromkeys(config.modules_to_save))
     _write_tensors(model, trajectory.initial_tensors, "start")
     return model
 
