@@ -428,3 +428,18 @@ def test_format_version_1_still_loads_and_replays(tmp_path):
     assert "with the exact weights it started" in old.replay_needs()
     replay(base, old)
     _assert_bitwise(_trainable(base), _trainable(model))
+
+
+def test_plain_model_stores_new_tensors_up_to_a_limit(tmp_path, monkeypatch, caplog):
+    import hf_zo.trajectory.base as base_module
+
+    model = BertForSequenceClassification.from_pretrained(_save_headless_bert(tmp_path / "base"), num_labels=2)
+    trajectory = ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=0.1))
+    assert sorted(trajectory.initial_tensors) == ["classifier.bias", "classifier.weight"]  # the new head only
+    assert trajectory.header["checksums"]["frozen"] is None  # nothing frozen in full fine-tuning
+
+    # More than the limit means checkpoint names not mapped to the model's: storing them would copy the model.
+    monkeypatch.setattr(base_module, "MAX_PLAIN_INITIAL_BYTES", 100)
+    trajectory = ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=0.1))
+    assert trajectory.initial_tensors == {}
+    assert "the trajectory does not store them" in caplog.text
