@@ -406,28 +406,55 @@ def test_trajectory_saved_without_the_model_lacks_the_tensors_trained_outside_zo
     assert ZOTrajectory.load(tmp_path / "with-model.bin").replayable() is None
 
 
-def test_format_version_1_still_loads_and_replays(tmp_path):
-    model = torch.nn.Linear(4, 2)
-    base = copy.deepcopy(model)
-    optimizer = ZOSGD(model.parameters(), lr=0.1)
-    trajectory = ZOTrajectory.start(model, optimizer)
-    trajectory.attach(optimizer)
-    for _ in range(3):
-        optimizer.step(lambda: model.weight.sum())
-    optimizer.flush()
-    trajectory.save(tmp_path, model)
-    # The same run as hf_zo wrote it before format version 2: no tensor section, no initial_tensors/trained_outside.
+def _as_version_1(trajectory, path):
+    """Write `trajectory` as hf_zo wrote it before format version 2: no tensor section, no keys for it."""
     header = {k: v for k, v in trajectory.header.items() if k not in ("initial_tensors", "trained_outside")}
+    header["checksums"] = {k: v for k, v in header["checksums"].items() if k != "frozen"}
     header_bytes = json.dumps(dict(header, format_version=1, num_steps=len(trajectory))).encode()
     body = bytes(trajectory._body)
     data = struct.pack("<8sIIQ", b"HFZOTRAJ", 1, len(header_bytes), len(body)) + header_bytes + body
-    (tmp_path / "v1.bin").write_bytes(data + hashlib.sha256(data).digest())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data + hashlib.sha256(data).digest())
+
+
+def _plain_loop(model, tmp_path, steps=3):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = ZOSGD(trainable, lr=0.1)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    for _ in range(steps):
+        optimizer.step(lambda: sum(p.square().sum() for p in trainable))
+    optimizer.flush()
+    trajectory.save(tmp_path, model)
+    return trajectory
+
+
+def test_format_version_1_still_loads_and_replays(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    base = copy.deepcopy(model)
+    trajectory = _plain_loop(model, tmp_path)
+    _as_version_1(trajectory, tmp_path / "v1.bin")
 
     old = ZOTrajectory.load(tmp_path / "v1.bin")
     assert list(old.steps()) == list(trajectory.steps())
-    assert "with the exact weights it started" in old.replay_needs()
+    assert "holding exactly the weights the run started from (recorded before format version 2" in old.replay_needs()
     replay(base, old)
     _assert_bitwise(_trainable(base), _trainable(model))
+
+
+def test_format_version_1_peft_replays_from_the_initial_adapter(tmp_path, capsys):
+    tiny_causal_lm("opt").save_pretrained(tmp_path / "base")
+    model = _lora(OPTForCausalLM.from_pretrained(tmp_path / "base"))
+    model.save_pretrained(tmp_path / "adapter-init")
+    _as_version_1(_plain_loop(model, tmp_path), tmp_path / "run" / TRAJECTORY_NAME)
+
+    # Format 1 does not hold the initial adapter: the bare base is refused, the adapter folder replays.
+    assert cli_main(["replay", str(tmp_path / "base"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "was recorded before format version 2, so it does not hold the adapter" in capsys.readouterr().err
+    assert cli_main(["replay", str(tmp_path / "adapter-init"), str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    model.save_pretrained(tmp_path / "trained")
+    trained = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
 
 
 def test_plain_model_stores_new_tensors_up_to_a_limit(tmp_path, monkeypatch, caplog):

@@ -513,8 +513,11 @@ class ZOTrajectory:
         base = self.header["base_model"]
         name = base["name_or_path"] or "the model the run started from"
         if "initial_tensors" not in self.header:
-            initial = "with the adapter saved before training" if base["peft"] else "with the exact weights it started"
-            return f"{name} {initial} (recorded before format version 2, which stores the initial tensors)"
+            adapter = " and the adapter saved before training" if base["peft"] else ""
+            return (
+                f"{name}, holding exactly the weights the run started from{adapter} (recorded before format version "
+                "2, which stores the initial tensors)"
+            )
         stored = self.header["initial_tensors"]
         return (
             f"{name} only ({len(stored)} initial tensors and {len(self.final_tensors)} final tensors not in it are "
