@@ -127,6 +127,13 @@ def test_replay_of_stateful_optimizer_is_bitwise(tmp_path):
     _assert_bitwise(_trainable(base), _trainable(trainer.model))
 
 
+def test_replay_of_dual_engine_run_is_bitwise(tmp_path):
+    base = tiny_causal_lm("opt")
+    trainer = _train(copy.deepcopy(base), tmp_path, zo_engine="dual", max_steps=3, save_strategy="no")
+    replay(base, tmp_path / TRAJECTORY_NAME)  # the block-wise schedule makes the same sweeps as the replay
+    _assert_bitwise(_trainable(base), _trainable(trainer.model))
+
+
 def test_plain_loop_with_skipped_estimate_replays_bitwise(tmp_path):
     model = torch.nn.Linear(8, 4)
     base = copy.deepcopy(model)
