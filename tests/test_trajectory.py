@@ -412,6 +412,16 @@ def test_trajectory_saved_without_the_model_lacks_the_tensors_trained_outside_zo
     trajectory.save(tmp_path / "with-model.bin", model)
     assert ZOTrajectory.load(tmp_path / "with-model.bin").replayable() is None
 
+    data = (tmp_path / "with-model.bin").read_bytes()
+    flipped = bytearray(data)
+    flipped[-40] ^= 0x01  # inside the tensor section
+    (tmp_path / "with-model.bin").write_bytes(bytes(flipped))
+    with pytest.raises(TrajectoryFormatError, match="is corrupted: its SHA-256 checksum does not match"):
+        ZOTrajectory.load(tmp_path / "with-model.bin")
+    (tmp_path / "with-model.bin").write_bytes(data[:-100])
+    with pytest.raises(TrajectoryFormatError, match="is truncated: its preamble declares"):
+        ZOTrajectory.load(tmp_path / "with-model.bin")
+
 
 def _as_version_1(trajectory, path):
     """Write `trajectory` as hf_zo wrote it before format version 2: no tensor section, no keys for it."""
