@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _replay(args: argparse.Namespace) -> int:
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
+    # The adapter is added before the move, so that every tensor of it lands on the replay device.
     model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)
     model = replay(
         model.to(_device(args.device, trajectory)), trajectory, verify=not args.no_verify, show_progress=True
