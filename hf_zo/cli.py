@@ -1,6 +1,6 @@
 """The `hf-zo` command: rebuild a fine-tuned model from its trajectory, or inspect a trajectory.
 
-hf-zo replay BASE TRAJECTORY OUT     # BASE: model folder or Hub id (PEFT runs: the initial adapter's folder)
+hf-zo replay BASE TRAJECTORY OUT     # BASE: the folder or Hub id of the model the run started from
 hf-zo inspect TRAJECTORY             # TRAJECTORY: a zo_trajectory.bin, a folder holding one, or a Hub repo id
 """
 
@@ -17,6 +17,7 @@ import torch
 from transformers.utils import logging
 
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
+from .trajectory.replay import initial_model
 
 logger = logging.get_logger(__name__)
 
@@ -37,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     rebuild = commands.add_parser("replay", help="Apply a trajectory to its base model and save the result.")
-    rebuild.add_argument("base", help="Base model folder or Hub id; for a PEFT run, the initial adapter's folder.")
+    rebuild.add_argument(
+        "base",
+        help="Folder or Hub id of the model the run started from (the pretrained model, also for PEFT runs).",
+    )
     rebuild.add_argument("trajectory", help=f"A {TRAJECTORY_NAME}, a folder holding one, or a Hub repo id.")
     rebuild.add_argument("out", help="Folder to save the fine-tuned model (or adapter) into.")
     rebuild.add_argument("--revision", help="Hub revision of BASE.")
@@ -60,8 +64,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _replay(args: argparse.Namespace) -> int:
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
-    model = _load_base(args.base, trajectory, args.revision).to(_device(args.device, trajectory))
-    replay(model, trajectory, verify=not args.no_verify, show_progress=True)
+    # The adapter is added before the move, so that every tensor of it lands on the replay device.
+    model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)
+    model = replay(
+        model.to(_device(args.device, trajectory)), trajectory, verify=not args.no_verify, show_progress=True
+    )
     model.save_pretrained(args.out)
     trajectory.save(args.out)
     _copy_tokenizer(args.base, args.out, args.revision)
@@ -80,19 +87,17 @@ def _load_base(base: str, trajectory: ZOTrajectory, revision: str | None) -> tor
             "yourself and call hf_zo.replay(model, trajectory)."
         )
     dtype = getattr(torch, described.get("dtype") or "float32")
-    if not described["peft"]:
-        return model_class.from_pretrained(base, revision=revision, dtype=dtype)
-    from peft import PeftConfig, PeftModel
+    if described["peft"] and os.path.isfile(os.path.join(base, "adapter_config.json")):
+        # An adapter saved before training (how trajectories of format version 1 replay): load it onto its base.
+        from peft import PeftConfig, PeftModel
 
-    if os.path.isdir(base) and not os.path.isfile(os.path.join(base, "adapter_config.json")):
-        raise ValueError(
-            f"This trajectory trains a {described['peft']['peft_type']} adapter, so BASE must be the folder of the "
-            f"initial adapter (saved with model.save_pretrained before training), but {base} has no "
-            "adapter_config.json."
-        )
-    adapter_config = PeftConfig.from_pretrained(base, revision=revision)
-    model = model_class.from_pretrained(adapter_config.base_model_name_or_path, dtype=dtype)
-    return PeftModel.from_pretrained(model, base, revision=revision, is_trainable=True)
+        adapter_config = PeftConfig.from_pretrained(base, revision=revision)
+        model = model_class.from_pretrained(adapter_config.base_model_name_or_path, dtype=dtype)
+        return PeftModel.from_pretrained(model, base, revision=revision, is_trainable=True)
+    config = described.get("config")
+    if config is not None:
+        config = model_class.config_class.from_dict(config)
+    return model_class.from_pretrained(base, revision=revision, dtype=dtype, config=config)
 
 
 def _device(requested: str | None, trajectory: ZOTrajectory) -> torch.device:
@@ -188,9 +193,22 @@ def _describe(trajectory: ZOTrajectory, source: str) -> list[tuple[str, str]]:
         mean_abs = sum(abs(g) for g in finite) / len(finite)
         rows.append(("proj. grad", f"mean |g| {mean_abs:.4g}, min {min(finite):.4g}, max {max(finite):.4g}"))
     per_step = f"{body / len(steps):.1f} bytes/step" if steps else "no steps"
-    rows.append(("size", f"header {size - body:,} bytes + body {body:,} bytes ({per_step})"))
+    tensors = len(trajectory.tensor_section())
+    rows.append(
+        (
+            "size",
+            f"header {size - body - tensors:,} bytes + body {body:,} bytes ({per_step}) + tensors {tensors:,} bytes",
+        )
+    )
+    stored = [("initial", trajectory.initial_tensors), ("final", trajectory.final_tensors)]
+    listed = [f"{stage} {len(named)} ({sum(t.numel() for t in named.values()):,} elements)" for stage, named in stored]
+    rows.append(("stored", ", ".join(listed) + " (compressed in the tensors section)"))
     rows.append(("checksums", f"start {header['checksums']['start']['sha256'][:16]}"))
     if end is not None:
         rows[-1] = ("checksums", f"{rows[-1][1]}, end {end['sha256'][:16]} (after step {end['step'] - 1})")
-    rows.append(("replayable", "yes" if reason is None else f"no: {reason}"))
+    rows.append(("replayable", f"yes, from {trajectory.replay_needs()}" if reason is None else f"no: {reason}"))
     return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,8 +3,8 @@
 Usage: ``python tests/distributed_worker.py SCENARIO OUT_DIR``; the single-process ``reference`` scenario is also
 run in the test process itself (`run_scenario`). Each rank trains tiny models with `ZOTrainer` and
 writes ``OUT_DIR/rank{rank}.pt``: the trainable parameters after each run, the bytes its ZO collectives sent per
-optimizer step, and the checkpoint files it opened for writing. The test compares these across ranks, layouts and
-against a single-process reference.
+optimizer step, its trajectory, and the checkpoint files it opened for writing. The test compares these across
+ranks, layouts and against a single-process reference.
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def train(
         "calls_per_step": stats["calls"] / done,
         "upload_bytes_per_step": trainer.zo_plugin.upload_stats.bytes_sent / done,
         "total_batch": trainer.get_total_train_batch_size(args),
+        "trajectory": trainer.zo_trajectory.to_bytes(),
     }
 
 

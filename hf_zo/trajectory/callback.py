@@ -40,12 +40,11 @@ class ZOTrajectoryCallback(TrainerCallback):
             self._handle.remove()
         if self.trajectory is None or self.trajectory.next_step != optimizer.zo_step:
             self.trajectory = self._resumed_trajectory(optimizer) or ZOTrajectory.start(model, optimizer)
-        recorded = {p["name"] for p in self.trajectory.header["parameters"]}
-        others = [n for n, p in model.named_parameters() if p.requires_grad and n not in recorded]
+        others = self.trajectory.header.get("trained_outside", [])
         if others:
-            logger.warning(
-                "%d trainable parameters (%s, ...) are not updated by the ZO optimizer; the trajectory does not cover "
-                "them and a replay keeps their base values.",
+            logger.info(
+                "%d trainable parameters (%s, ...) are not updated by the ZO optimizer: the trajectory stores their "
+                "values at each save.",
                 len(others),
                 others[0],
             )

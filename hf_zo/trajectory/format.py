@@ -1,14 +1,19 @@
 """`ZOTrajectory`: the steps of a ZO run as seeds and scalars, and their file format.
 
-File format (``zo_trajectory.bin``, version 1, little-endian)::
+File format (``zo_trajectory.bin``, version 2, little-endian)::
 
-    magic "HFZOTRAJ" | u32 format version | u32 header bytes H | u64 body bytes B
+    magic "HFZOTRAJ" | u32 format version | u32 header bytes H | u64 body bytes B | u64 tensor bytes T
     header: H bytes of UTF-8 JSON (see :meth:`ZOTrajectory.start`)
     body: B bytes, one record per optimizer step:
         u8 flags (bit 0: lrs follow, bit 1: weight decays follow; set when they change) | u32 estimates n
         [f64 lr per param group] [f64 weight decay per param group]
         n x (u64 seed, f64 projected gradient; NaN marks an estimate skipped for a non-finite loss)
+    tensors: T bytes, zlib-compressed safetensors of the tensors a replay cannot get from the base model
+        ("initial/NAME": start values the base checkpoint does not hold, "final/NAME": end values of the
+        trainable tensors the ZO optimizer does not update); empty when there are none
     SHA-256 of everything above (32 bytes): detects corruption and truncation.
+
+Version 1 (read, never written) has no tensor section and no T in its preamble.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -26,18 +32,22 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
 from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
+from .base import frozen_fingerprint, initial_tensors_not_in_base
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
 
-FORMAT_VERSION = 1
-"""Version of the file format written by this release."""
+FORMAT_VERSION = 2
+"""Version of the file format written by this release (version 1 files are read too)."""
 
 _MAGIC = b"HFZOTRAJ"
-_PREAMBLE = struct.Struct("<8sIIQ")
+_PREAMBLE = struct.Struct("<8sIIQQ")
+_PREAMBLE_V1 = struct.Struct("<8sIIQ")
 _STEP_HEAD = struct.Struct("<BI")
 _ESTIMATE = struct.Struct("<Qd")
 _DIGEST_BYTES = 32
@@ -89,10 +99,23 @@ class ZOTrajectory:
     Args:
         header (`dict`): the JSON header (base model, optimizer, parameters, checksums).
         body (`bytes`, *optional*): the encoded steps.
+        initial_tensors (`dict[str, torch.Tensor]`, *optional*):
+            Start values of the trainable tensors that the base model's checkpoint does not hold (a PEFT adapter, a
+            new or linear-probed head), by parameter name.
+        final_tensors (`dict[str, torch.Tensor]`, *optional*):
+            End values of the trainable tensors that the ZO optimizer does not update (a first-order head).
     """
 
-    def __init__(self, header: dict, body: bytes = b""):
+    def __init__(
+        self,
+        header: dict,
+        body: bytes = b"",
+        initial_tensors: dict[str, torch.Tensor] | None = None,
+        final_tensors: dict[str, torch.Tensor] | None = None,
+    ):
         self.header = header
+        self.initial_tensors = dict(initial_tensors or {})
+        self.final_tensors = dict(final_tensors or {})
         self._body = bytearray(body)
         self._num_steps = 0
         self._last = (None, None)
@@ -112,7 +135,8 @@ class ZOTrajectory:
 
         Returns:
             `ZOTrajectory`: an empty trajectory whose header records the base model, the optimizer and a checksum
-            of the trainable parameters; attach it with :meth:`attach`.
+            of the trainable parameters, holding the start values of those the base checkpoint does not restore
+            (see `initial_tensors_not_in_base`); attach it with :meth:`attach`.
         """
         names = {id(p): name for name, p in model.named_parameters()}
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -134,6 +158,8 @@ class ZOTrajectory:
                     "dtype": _dtype_name(tensor.dtype),
                 }
             )
+        trained_outside = [n for n, p in model.named_parameters() if p.requires_grad and n not in named]
+        initial = {n: named[n].detach().cpu().clone() for n in initial_tensors_not_in_base(model, list(named))}
         noise = optimizer.noise
         header = {
             "format": "hf-zo-trajectory",
@@ -158,11 +184,13 @@ class ZOTrajectory:
                 for group in optimizer.param_groups
             ],
             "parameters": parameters,
+            "initial_tensors": list(initial),
+            "trained_outside": trained_outside,
             "device_type": optimizer.params.tensors[0][1].device.type,
             "first_step": optimizer.zo_step,
-            "checksums": {"start": checksum(named), "end": None},
+            "checksums": {"start": checksum(named), "end": None, "frozen": frozen_fingerprint(model)},
         }
-        return cls(header)
+        return cls(header, initial_tensors=initial)
 
     def attach(self, optimizer: ZOOptimizer):
         """Append every future step of `optimizer` to this trajectory.
@@ -236,7 +264,8 @@ class ZOTrajectory:
 
     @property
     def body_bytes(self) -> int:
-        """Size of the encoded steps in bytes (the file adds the header, a 24-byte preamble and a 32-byte digest)."""
+        """Size of the encoded steps in bytes (the file adds the header, the tensors, a 32-byte preamble and a
+        32-byte digest)."""
         return len(self._body)
 
     def __len__(self) -> int:
@@ -271,12 +300,21 @@ class ZOTrajectory:
     # ------------------------------------------------------------------ files
 
     def to_bytes(self) -> bytes:
-        """The trajectory as the bytes of a ``zo_trajectory.bin`` file."""
-        header = dict(self.header, num_steps=self._num_steps)
+        """The trajectory as the bytes of a ``zo_trajectory.bin`` file (in the current format version)."""
+        header = dict(self.header, num_steps=self._num_steps, format_version=FORMAT_VERSION)
         header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
-        data = _PREAMBLE.pack(_MAGIC, FORMAT_VERSION, len(header_bytes), len(self._body)) + header_bytes
-        data += bytes(self._body)
+        tensors = self.tensor_section()
+        data = _PREAMBLE.pack(_MAGIC, FORMAT_VERSION, len(header_bytes), len(self._body), len(tensors))
+        data += header_bytes + bytes(self._body) + tensors
         return data + hashlib.sha256(data).digest()
+
+    def tensor_section(self) -> bytes:
+        """The stored tensors as the file holds them: zlib-compressed safetensors, or nothing when there are none."""
+        named = {f"initial/{n}": t for n, t in self.initial_tensors.items()}
+        named.update({f"final/{n}": t for n, t in self.final_tensors.items()})
+        if not named:
+            return b""
+        return zlib.compress(save_safetensors({k: t.contiguous() for k, t in named.items()}), 9)
 
     def save(self, path: str | os.PathLike, model: torch.nn.Module | None = None) -> Path:
         """Write the trajectory (atomically: a reader never sees half a file).
@@ -296,6 +334,8 @@ class ZOTrajectory:
         if model is not None:
             end = checksum(trajectory_tensors(model, self.header))
             self.header["checksums"]["end"] = dict(end, step=self.next_step)
+            named = dict(model.named_parameters())
+            self.final_tensors = {n: named[n].detach().cpu().clone() for n in self.header.get("trained_outside", [])}
         partial = path.with_name(path.name + ".partial")
         partial.write_bytes(self.to_bytes())
         os.replace(partial, path)
@@ -323,15 +363,20 @@ class ZOTrajectory:
             raise TrajectoryFormatError(
                 f"{source} is not an hf-zo trajectory (it starts with {data[:8]!r}, not {_MAGIC!r})."
             )
-        if len(data) < _PREAMBLE.size:
+        if len(data) < _PREAMBLE_V1.size:
             raise TrajectoryFormatError(f"{source} is truncated: it has only {len(data)} bytes. {retry}")
-        _, version, header_size, body_size = _PREAMBLE.unpack_from(data)
+        _, version, header_size, body_size = _PREAMBLE_V1.unpack_from(data)
         if version > FORMAT_VERSION:
             raise TrajectoryFormatError(
                 f"{source} has format version {version}, newer than this hf_zo reads ({FORMAT_VERSION}); upgrade "
                 "with `pip install -U hf-zo`."
             )
-        expected = _PREAMBLE.size + header_size + body_size + _DIGEST_BYTES
+        preamble, tensor_size = _PREAMBLE_V1.size, 0
+        if version >= 2:
+            if len(data) < _PREAMBLE.size:
+                raise TrajectoryFormatError(f"{source} is truncated: it has only {len(data)} bytes. {retry}")
+            preamble, tensor_size = _PREAMBLE.size, _PREAMBLE.unpack_from(data)[4]
+        expected = preamble + header_size + body_size + tensor_size + _DIGEST_BYTES
         if len(data) != expected:
             state = "truncated" if len(data) < expected else "corrupted (it has trailing bytes)"
             raise TrajectoryFormatError(
@@ -342,8 +387,16 @@ class ZOTrajectory:
                 f"{source} is corrupted: its SHA-256 checksum does not match its content (a changed byte or a bad "
                 f"copy). {retry}"
             )
-        header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + header_size].decode("utf-8"))
-        trajectory = cls(header, data[_PREAMBLE.size + header_size : -_DIGEST_BYTES])
+        body_start = preamble + header_size
+        header = json.loads(data[preamble:body_start].decode("utf-8"))
+        tensors = data[body_start + body_size : body_start + body_size + tensor_size]
+        stored = load_safetensors(zlib.decompress(tensors)) if tensors else {}
+        trajectory = cls(
+            header,
+            data[body_start : body_start + body_size],
+            initial_tensors={k.removeprefix("initial/"): t for k, t in stored.items() if k.startswith("initial/")},
+            final_tensors={k.removeprefix("final/"): t for k, t in stored.items() if k.startswith("final/")},
+        )
         if len(trajectory) != header["num_steps"]:
             raise TrajectoryFormatError(
                 f"{source} is corrupted: its header declares {header['num_steps']} steps but its body holds "
@@ -393,10 +446,12 @@ class ZOTrajectory:
             )
         actual = checksum(trajectory_tensors(model, self.header))
         if actual["sha256"] == expected["sha256"]:
+            if stage == "start":
+                self._verify_frozen(model)
             return
         names = [parameter["name"] for parameter in self.header["parameters"]]
         differ = [name for name in names if actual["parameters"][name] != expected["parameters"].get(name)]
-        listed = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        listed = _listed(differ)
         if stage == "end":
             raise TrajectoryMismatchError(
                 f"The replayed weights differ from the trained ones in {len(differ)} of {len(expected['parameters'])} "
@@ -407,12 +462,24 @@ class ZOTrajectory:
         base = self.header["base_model"]
         load = f"{base['name_or_path']!r} (revision {base['revision']!r})" if base["name_or_path"] else "the weights"
         load += " the run started from"
-        if base["peft"]:
+        if base["peft"] and "initial_tensors" not in self.header:
             load += " with the initial adapter of the run"
         raise TrajectoryMismatchError(
             f"This model is not the base the trajectory was recorded on: {len(differ)} of "
             f"{len(expected['parameters'])} trainable parameters differ ({listed}). Load {load}, or pass "
             "verify=False to replay anyway (the result will not match the trained weights)."
+        )
+
+    def _verify_frozen(self, model: torch.nn.Module) -> None:
+        expected = self.header["checksums"].get("frozen")
+        if expected is None or frozen_fingerprint(model) == expected:
+            return
+        base = self.header["base_model"]
+        raise TrajectoryMismatchError(
+            f"The frozen weights of this model are not those of the base the trajectory was recorded on (their "
+            f"fingerprint over {expected['tensors']} tensors differs), so the trained tensors would be replayed onto "
+            f"another model. Load {base['name_or_path']!r} (revision {base['revision']!r}) with "
+            f"dtype={base['dtype']}, or pass verify=False to replay anyway."
         )
 
     def replayable(self) -> str | None:
@@ -422,13 +489,40 @@ class ZOTrajectory:
         if cls is None:
             return f"its optimizer {spec['class']} is not one of hf_zo.ZO_OPTIMIZERS"
         if issubclass(cls, ZOSGDConservative):
-            return f"{spec['class']} picks each update by evaluating the training loss, which is not recorded"
+            return (
+                f"its optimizer {spec['name']} ({spec['class']}) picks each update by comparing the training loss at "
+                "three candidate weights, and a trajectory does not record which one won; train with zo_sgd for a "
+                "replayable run"
+            )
         if self.first_step > 0 and not issubclass(cls, _STATELESS):
             return (
                 f"it starts at step {self.first_step} and {spec['class']}'s state (moments, momentum) at that step is "
                 "not recorded"
             )
+        missing = [n for n in self.header.get("trained_outside", []) if n not in self.final_tensors]
+        if missing:
+            return (
+                f"it lacks the end values of {len(missing)} tensors trained outside the ZO optimizer "
+                f"({_listed(missing)}): it was saved without the model (ZOTrajectory.save(path, model) stores them)"
+            )
         return None
+
+    def replay_needs(self) -> str:
+        """What :func:`replay` needs besides the trajectory: the base model, or (for a trajectory recorded by hf_zo
+        before format version 2) the exact weights the run started from."""
+        base = self.header["base_model"]
+        name = base["name_or_path"] or "the model the run started from"
+        if "initial_tensors" not in self.header:
+            adapter = " and the adapter saved before training" if base["peft"] else ""
+            return (
+                f"{name}, holding exactly the weights the run started from{adapter} (recorded before format version "
+                "2, which stores the initial tensors)"
+            )
+        stored = self.header["initial_tensors"]
+        return (
+            f"{name} only ({len(stored)} initial tensors and {len(self.final_tensors)} final tensors not in it are "
+            "stored)"
+        )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -447,8 +541,7 @@ def trajectory_tensors(model: torch.nn.Module, header: dict) -> dict[str, torch.
         name, tensor = parameter["name"], named.get(parameter["name"])
         if tensor is None:
             hint = (
-                " The run trained a PEFT adapter: load it with PeftModel.from_pretrained(base, initial_adapter, "
-                "is_trainable=True)."
+                " The run trained a PEFT adapter: pass the base model without it (replay adds the adapter)."
                 if header["base_model"]["peft"]
                 else f" Load the recorded base model, {header['base_model']['name_or_path']!r}."
             )
@@ -461,6 +554,10 @@ def trajectory_tensors(model: torch.nn.Module, header: dict) -> dict[str, torch.
             )
         tensors[name] = tensor
     return tensors
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> dict:
@@ -487,6 +584,8 @@ def _describe_model(model: torch.nn.Module) -> dict:
         "model_class": type(base).__name__,
         "dtype": _dtype_name(base.dtype) if isinstance(getattr(base, "dtype", None), torch.dtype) else None,
         "peft": peft,
+        # What from_pretrained(base) alone would not set (num_labels, pad_token_id, ...), for the replay to load with.
+        "config": _to_json(config.to_diff_dict()) if hasattr(config, "to_diff_dict") else None,
     }
 
 

@@ -19,13 +19,15 @@ def push_trajectory_to_hub(
     revision: str | None = None,
     commit_message: str = "Upload ZO trajectory",
 ):
-    """Push a trajectory instead of weights: a few kilobytes, with a model card that explains how to rebuild.
+    """Push a trajectory instead of weights: kilobytes, not gigabytes, with a model card that explains how to rebuild.
 
     Args:
         repo_id (`str`): the Hub model repository (created if missing).
         trajectory (`ZOTrajectory` or path): the trajectory, or a file or folder holding one.
         base_model (`str`, *optional*): the base model's Hub id, if the recorded name is a local path.
-        initial_adapter (`str`, *optional*): for a PEFT run, the Hub id or path of the adapter before training.
+        initial_adapter (`str`, *optional*):
+            For a PEFT run recorded in format version 1 (which does not store the initial adapter), the Hub id or
+            path of the adapter before training.
         private (`bool`, *optional*): whether a created repository is private.
         token (`str`, *optional*): the Hub token.
         revision (`str`, *optional*): the branch to push to.
@@ -55,14 +57,17 @@ def trajectory_model_card(
         trajectory (`ZOTrajectory`): the trajectory.
         repo_id (`str`): the repository it is pushed to.
         base_model (`str`, *optional*): the base model's Hub id (default: the recorded name).
-        initial_adapter (`str`, *optional*): for a PEFT run, the Hub id or path of the adapter before training.
+        initial_adapter (`str`, *optional*): for a PEFT run of format version 1, the adapter before training.
     """
     header, base = trajectory.header, trajectory.header["base_model"]
     peft = base["peft"]
     base_model = base_model or (peft or {}).get("base_model_name_or_path") or base["name_or_path"]
     optimizer, model_class, dtype = header["optimizer"], base["model_class"], base.get("dtype") or "float32"
     load = f'{model_class}.from_pretrained("{base_model}", dtype="{dtype}")'
-    if peft:
+    num_labels = (base.get("config") or {}).get("id2label")
+    if num_labels and model_class.endswith("ForSequenceClassification"):
+        load = load[:-1] + f", num_labels={len(num_labels)})"
+    if peft and "initial_tensors" not in header:
         adapter = initial_adapter or "INITIAL_ADAPTER"
         source, imports = adapter, f"from peft import PeftModel\nfrom transformers import {model_class}"
         load = f'PeftModel.from_pretrained({load}, "{adapter}", is_trainable=True)'
@@ -72,7 +77,8 @@ def trajectory_model_card(
             "`adapter_config.json` names the base model.\n"
         )
     else:
-        source, imports, note = base_model, f"from transformers import {model_class}", ""
+        source, imports = base_model, f"from transformers import {model_class}"
+        note = f"\nThe trajectory holds the initial {peft['peft_type']} adapter: `replay` adds it.\n" if peft else ""
     return f"""---
 base_model: {base_model}
 library_name: hf-zo
@@ -86,8 +92,9 @@ tags:
 
 This repository holds no weights: it holds the zeroth-order fine-tuning trajectory of
 [{base_model}](https://huggingface.co/{base_model}), {len(trajectory)} optimizer steps of `{optimizer["class"]}` stored
-as seeds and scalars ({len(trajectory.to_bytes()):,} bytes). Replaying it onto the base model regenerates every
-perturbation from its seed and rebuilds the fine-tuned weights, bitwise on a `{header["device_type"]}` device.
+as seeds and scalars ({len(trajectory.to_bytes()):,} bytes, with the tensors seeds do not regenerate). Replaying it
+onto the base model regenerates every perturbation from its seed and rebuilds the fine-tuned weights, bitwise on a
+`{header["device_type"]}` device.
 
 ## Rebuild the fine-tuned model
 
@@ -103,7 +110,7 @@ or in Python:
 from hf_zo import ZOTrajectory, replay
 
 model = {load}
-replay(model, ZOTrajectory.from_pretrained("{repo_id}"), show_progress=True)
+model = replay(model, ZOTrajectory.from_pretrained("{repo_id}"), show_progress=True)
 model.save_pretrained("./fine-tuned")
 ```
 

@@ -11,7 +11,7 @@ from transformers.utils import logging
 
 from ..noise import Noise
 from ..optim import ZOOptimizer
-from .format import ZOTrajectory, from_json, optimizer_class, trajectory_tensors
+from .format import TrajectoryMismatchError, ZOTrajectory, from_json, optimizer_class, trajectory_tensors
 
 logger = logging.get_logger(__name__)
 
@@ -22,15 +22,21 @@ def replay(
     verify: bool = True,
     show_progress: bool = False,
 ) -> torch.nn.Module:
-    """Apply a trajectory to its base model, in place: the result is the trained model.
+    """Apply a trajectory to its base model: the result is the trained model.
 
-    Rebuilds the recorded optimizer over `model`'s parameters (same groups and noise indices), then replays each
-    step exactly as training ran it: the ``±eps`` moves of every estimate (they round, so they are part of the
-    trajectory of the bits), then the update with the recorded lr and weight decay. On the device type of the run
-    the result is bitwise the trained weights, for stateful optimizers too (their state is rebuilt on the way).
+    First restores the start of the run (see :func:`initial_model`: the recorded PEFT adapter is added to a bare
+    base model, and the stored initial tensors are written). Then rebuilds the recorded optimizer over the
+    parameters (same groups and noise indices) and replays each step exactly as training ran it: the ``±eps`` moves
+    of every estimate (they round, so they are part of the trajectory of the bits), then the update with the
+    recorded lr and weight decay. Last, the tensors trained outside the ZO optimizer (a first-order head) take their
+    stored end values. On the device type of the run the result is bitwise the trained weights, for stateful
+    optimizers too (their state is rebuilt on the way).
 
     Args:
-        model (`torch.nn.Module`): the base model (for a PEFT run: with the initial adapter loaded, trainable).
+        model (`torch.nn.Module`):
+            The base model the run started from, as `from_pretrained` loads it (the same `num_labels` for a
+            classifier). For a PEFT run, the bare base model (the adapter is added) or a `PeftModel` holding the
+            adapter as it was before training.
         trajectory (`ZOTrajectory` or path): the trajectory, or a file or folder holding one.
         verify (`bool`, defaults to `True`):
             Check the base against the recorded start checksum first, and the result against the end checksum
@@ -38,7 +44,8 @@ def replay(
         show_progress (`bool`, defaults to `False`): show a progress bar over the steps.
 
     Returns:
-        `torch.nn.Module`: `model`, now holding the trained weights.
+        `torch.nn.Module`: the trained model: `model` itself, or for a PEFT run on a bare base model the new
+        `PeftModel` around it.
 
     Raises:
         `TrajectoryMismatchError`: the base model or the result does not match the recorded checksums.
@@ -49,6 +56,7 @@ def replay(
     reason = trajectory.replayable()
     if reason is not None:
         raise ValueError(f"This trajectory cannot be replayed: {reason}.")
+    model = initial_model(model, trajectory)
     if verify:
         trajectory.verify(model, "start")
     optimizer = _build_optimizer(trajectory, trajectory_tensors(model, trajectory.header))
@@ -71,10 +79,61 @@ def replay(
         optimizer.records = step.records
         optimizer.step()
     optimizer.flush()
+    _write_tensors(model, trajectory.final_tensors, "end")
     end = trajectory.header["checksums"]["end"]
     if verify and on_recorded_device and end is not None and end["step"] == trajectory.next_step:
         trajectory.verify(model, "end")
     return model
+
+
+def initial_model(model: torch.nn.Module, trajectory: ZOTrajectory) -> torch.nn.Module:
+    """`model`, the base of `trajectory`, as the recorded run started: with the recorded PEFT adapter added if it
+    has none, and the stored initial tensors (adapter, new or fitted head) written into it.
+
+    Args:
+        model (`torch.nn.Module`): the base model (or a `PeftModel` with the initial adapter).
+        trajectory (`ZOTrajectory`): the trajectory.
+
+    Returns:
+        `torch.nn.Module`: `model`, or the `PeftModel` wrapping it.
+    """
+    peft = trajectory.header["base_model"]["peft"]
+    if peft and not hasattr(model, "peft_config"):
+        if "initial_tensors" not in trajectory.header:
+            raise ValueError(
+                f"This trajectory trains a {peft['peft_type']} adapter and was recorded before format version 2, so "
+                "it does not hold the adapter's initial weights: pass a PeftModel holding the adapter saved before "
+                "training (PeftModel.from_pretrained(base, initial_adapter, is_trainable=True)), or for hf-zo replay "
+                "that adapter's folder as BASE."
+            )
+        from peft import get_peft_config, get_peft_model
+
+        # The adapter config names the base it is loaded onto now, as PEFT's own save does.
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        config = get_peft_config(dict(peft, inference_mode=False, base_model_name_or_path=name or None))
+        # get_peft_model draws the adapter from the global RNG: the stored values replace it, the user's stream
+        # stays untouched.
+        with torch.random.fork_rng(devices=[]):
+            model = get_peft_model(model, config)
+        # A classifier's PeftModel appends its head names to modules_to_save, which the recorded config already has.
+        if config.modules_to_save:
+            config.modules_to_save = list(dict.fromkeys(config.modules_to_save))
+    _write_tensors(model, trajectory.initial_tensors, "start")
+    return model
+
+
+def _write_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], stage: str) -> None:
+    named = dict(model.named_parameters())
+    for name, value in tensors.items():
+        parameter = named.get(name)
+        if parameter is None or parameter.shape != value.shape:
+            found = "has no such parameter" if parameter is None else f"has it with shape {list(parameter.shape)}"
+            raise TrajectoryMismatchError(
+                f"The trajectory stores the {stage} value of {name!r} with shape {list(value.shape)}, but the model "
+                f"{found}: load the base model the run started from, with the same configuration (num_labels, ...)."
+            )
+        with torch.no_grad():
+            parameter.copy_(value)
 
 
 def _no_loss() -> float:
