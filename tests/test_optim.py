@@ -61,7 +61,7 @@ def test_state_dict_round_trip_resumes_bitwise(name):
 def test_lr_scheduler_drives_the_update():
     weight, _, loss = _problem()
     optimizer = ZOSGD([weight], lr=0.1, eps=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step == 0 else 0.0)
     before = weight.detach().clone()
     optimizer.step(loss)
     optimizer.flush()

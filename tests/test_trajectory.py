@@ -219,7 +219,8 @@ def test_cli_inspect_and_replay(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     for expected in [
-        "format version 1",
+        "format version 2",
+        f"noise=gaussian ({trainer.zo_optimizer.noise.algorithm})",
         "OPTForCausalLM",
         "ZOSGD",
         "steps        0 to 2 (3 steps, 12 estimates",

@@ -4,19 +4,16 @@ The kernel is compiled once per machine and torch version, just in time, with th
 into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``); later processes
 load the cached library in milliseconds. ``make install`` builds it (``python -m hf_zo.philox --build``), so that
 training never waits for the compiler. If it cannot be built or loaded, :func:`load_kernel` logs one warning and
-returns `None`, and the noise falls back to the torch implementation.
+returns `None`; `hf_zo.noise` then warns once and falls back (see `resolve_noise_algorithm`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
-
-logger = logging.getLogger(__name__)
 
 KERNEL_NAME = "hf_zo_philox_v1"
 """Name of the compiled module (the version suffix changes whenever the noise it computes changes)."""
@@ -32,7 +29,7 @@ _error: str | None = None
 
 
 def load_kernel() -> ModuleType | None:
-    """The compiled kernel, built on first use; `None` (after one warning per process) if it cannot be built.
+    """The compiled kernel, built on first use; `None` if it cannot be built (:func:`kernel_error` says why).
 
     Returns:
         `ModuleType` or `None`: the module, with ``fill(out, seed, index, start, gaussian)`` and
@@ -46,13 +43,8 @@ def load_kernel() -> ModuleType | None:
             try:
                 _kernel = _build(verbose=False)
             except Exception as error:  # any failure (no compiler, no ninja, bad headers) means: use the fallback
-                _error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}"
-                logger.warning(
-                    "hf_zo could not build its compiled noise kernel (%s). Noise is generated with torch operations "
-                    "instead: same bits, several times slower. Install a C++ compiler (g++) and ninja (`pip install "
-                    "ninja`), then run `python -m hf_zo.philox --build` to see the full error.",
-                    _error,
-                )
+                lines = str(error).strip().splitlines()
+                _error = f"{type(error).__name__}: {lines[-1] if lines else ''}"
     return _kernel
 
 

@@ -1,6 +1,6 @@
 """`ZOTrajectory`: the steps of a ZO run as seeds and scalars, and their file format.
 
-File format (``zo_trajectory.bin``, version 1, little-endian)::
+File format (``zo_trajectory.bin``, version 2, little-endian)::
 
     magic "HFZOTRAJ" | u32 format version | u32 header bytes H | u64 body bytes B
     header: H bytes of UTF-8 JSON (see :meth:`ZOTrajectory.start`)
@@ -9,6 +9,9 @@ File format (``zo_trajectory.bin``, version 1, little-endian)::
         [f64 lr per param group] [f64 weight decay per param group]
         n x (u64 seed, f64 projected gradient; NaN marks an estimate skipped for a non-finite loss)
     SHA-256 of everything above (32 bytes): detects corruption and truncation.
+
+Version 2 records the noise algorithm (header ``optimizer.noise.algorithm``); version 1 files, which do not, are
+read as made with the ``"torch"`` algorithm, the only one hf_zo had then.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import huggingface_hub
 import torch
 
 from ..estimator import ZORecord
+from ..noise import LEGACY_NOISE_ALGORITHM
 from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
 
-FORMAT_VERSION = 1
-"""Version of the file format written by this release."""
+FORMAT_VERSION = 2
+"""Version of the file format written by this release (it reads every earlier one)."""
 
 _MAGIC = b"HFZOTRAJ"
 _PREAMBLE = struct.Struct("<8sIIQ")
@@ -148,6 +152,7 @@ class ZOTrajectory:
                 "seed": optimizer.seed,
                 "noise": {
                     "distribution": noise.distribution,
+                    "algorithm": noise.algorithm,
                     "table_numel": noise.table_numel,
                     "table_seed": noise.table_seed,
                 },
@@ -272,7 +277,7 @@ class ZOTrajectory:
 
     def to_bytes(self) -> bytes:
         """The trajectory as the bytes of a ``zo_trajectory.bin`` file."""
-        header = dict(self.header, num_steps=self._num_steps)
+        header = dict(self.header, num_steps=self._num_steps, format_version=FORMAT_VERSION)
         header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
         data = _PREAMBLE.pack(_MAGIC, FORMAT_VERSION, len(header_bytes), len(self._body)) + header_bytes
         data += bytes(self._body)
@@ -343,6 +348,7 @@ class ZOTrajectory:
                 f"copy). {retry}"
             )
         header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + header_size].decode("utf-8"))
+        header["optimizer"]["noise"].setdefault("algorithm", LEGACY_NOISE_ALGORITHM)  # version 1
         trajectory = cls(header, data[_PREAMBLE.size + header_size : -_DIGEST_BYTES])
         if len(trajectory) != header["num_steps"]:
             raise TrajectoryFormatError(
