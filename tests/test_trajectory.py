@@ -1,8 +1,11 @@
 """Trajectories: recording, bitwise replay (full, LoRA, stateful, across a resume), file integrity, CLI, Hub push."""
 
 import copy
+import hashlib
+import json
 import math
 import shutil
+import struct
 
 import pytest
 import torch
@@ -209,6 +212,27 @@ def test_size_of_10000_steps(tmp_path):
     header = size - 21 * 10_000
     assert 0 < header < 3_000, size  # 21 bytes per step (q = 1, constant lr) plus a small header
     assert len(ZOTrajectory.load(tmp_path)) == 10_000
+
+
+def test_version_1_trajectory_replays_with_the_torch_noise(tmp_path):
+    """Files of hf_zo 0.1 (format 1, no noise algorithm) were made with the 'torch' algorithm; replay uses it."""
+    base = tiny_causal_lm("opt")
+    trainer = _train(
+        copy.deepcopy(base), tmp_path / "run", max_steps=3, save_strategy="no", zo_noise_algorithm="torch"
+    )
+    data = (tmp_path / "run" / TRAJECTORY_NAME).read_bytes()
+    magic, _, header_size, body_size = struct.unpack_from("<8sIIQ", data)
+    header = json.loads(data[24 : 24 + header_size])
+    del header["optimizer"]["noise"]["algorithm"]
+    header["format_version"] = 1
+    header_bytes = json.dumps(header).encode()
+    old = struct.pack("<8sIIQ", magic, 1, len(header_bytes), body_size) + header_bytes + data[24 + header_size : -32]
+    (tmp_path / "old.bin").write_bytes(old + hashlib.sha256(old).digest())
+
+    trajectory = ZOTrajectory.load(tmp_path / "old.bin")
+    assert trajectory.header["optimizer"]["noise"]["algorithm"] == "torch"
+    rebuilt = replay(copy.deepcopy(base), trajectory)  # checks the end checksum too
+    _assert_bitwise(_trainable(rebuilt), _trainable(trainer.model))
 
 
 def test_cli_inspect_and_replay(tmp_path, capsys):
