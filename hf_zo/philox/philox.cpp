@@ -1,27 +1,32 @@
-// Philox-4x32-10 + Box-Muller noise for hf_zo, compiled for the CPU.
+// Philox-4x32-10 + Box-Muller perturbation noise for hf_zo, compiled for the CPU.
 //
-// Element e of the noise of parameter `index` for `seed` comes from Philox-4x32-10 (Salmon et al., SC'11; the
-// generator of cuRAND and JAX) with key (seed low 32 bits, seed high 32 bits) and counter
-// (block low, block high, index low, index high), block = e / 4: its four output words give element 4 * block + k.
-// Gaussian: words (0, 1) and (2, 3) each feed one Box-Muller pair (radius from the first, angle from the second);
-// Rademacher: the sign bit of word k. The value of an element depends on (seed, index, e) only, never on how the
-// tensor is cut into ranges or threads.
+// The noise of parameter `index` for `seed`: Philox-4x32-10 (Salmon et al., SC'11; the generator of cuRAND and
+// JAX) with key (seed low, seed high) encrypts the counter (block low, block high, index low, index high) into four
+// 32-bit words. Blocks come in tiles of kTileBlocks: word k of block kTileBlocks * t + i gives element
+// kTileNumel * t + kTileBlocks * k + i. Gaussian: words (0, 1) and (2, 3) each feed one Box-Muller pair (radius from
+// the first, angle from the second); Rademacher: the sign bit of each word. An element depends on (seed, index,
+// element) only, never on how a tensor is cut into ranges or threads.
 //
-// Bits are the same on every machine: only integer operations, IEEE float additions, multiplications and sqrt
-// (each rounded once: this file is compiled with -ffp-contract=off), and polynomial log/sin/cos written out here
-// (Cephes' single-precision coefficients) instead of libm. hf_zo/philox/reference.py computes the same numbers
-// with torch operations, step for step.
+// The bits are the same on every machine and in hf_zo/philox/reference.py, which computes the same numbers with
+// torch operations step for step: only integer operations, float additions, multiplications and sqrt (each rounded
+// once: the file is compiled with -ffp-contract=off), and log/sin/cos as the Cephes single-precision polynomials
+// written out here instead of libm's.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HF_ZO_X86 1
+#endif
 
 namespace {
 
@@ -71,7 +76,7 @@ inline uint32_t float_to_bits(float value) {
   return bits;
 }
 
-// sqrt(-2 log u) for u = (a >> 8) + 1) / 2^24 in (0, 1]: Cephes logf after an exact frexp.
+// sqrt(-2 log u) for u = ((a >> 8) + 1) / 2^24 in (0, 1]: Cephes logf after an exact frexp.
 __attribute__((always_inline)) inline float box_muller_radius(uint32_t a) {
   const float u = static_cast<float>((a >> 8) + 1u) * kTwoPow24Inv;
   const uint32_t bits = float_to_bits(u);
@@ -144,7 +149,7 @@ void philox_blocks_portable(uint64_t seed, uint64_t index, uint64_t first_block,
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef HF_ZO_X86
 // The same, eight blocks per AVX2 register: the 32x32->64-bit products of even and odd lanes are formed by two
 // vpmuludq and their high and low halves blended back into lanes.
 __attribute__((target("avx2"))) inline void mul_hi_lo(__m256i a, __m256i multiplier, __m256i& hi, __m256i& lo) {
@@ -205,7 +210,7 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 void philox_blocks(uint64_t seed, uint64_t index, uint64_t first_block, uint32_t (*words)[kTileBlocks]) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef HF_ZO_X86
   if (kHasAvx2) {
     philox_blocks_avx2(seed, index, first_block, words);
     return;
@@ -244,7 +249,8 @@ __attribute__((always_inline)) inline void noise_tile(uint64_t seed, uint64_t in
 // Calls visit(tile_start, noise, begin, end) for the tiles covering elements [start, stop) of the noise: the
 // tile's noise covers elements [tile_start, tile_start + kTileNumel), of which [begin, end) are wanted.
 template <typename Visit>
-__attribute__((always_inline)) inline void for_each_tile(uint64_t seed, uint64_t index, int64_t start, int64_t stop, bool gaussian, Visit visit) {
+__attribute__((always_inline)) inline void for_each_tile(uint64_t seed, uint64_t index, int64_t start, int64_t stop,
+                                                         bool gaussian, Visit visit) {
   alignas(64) float noise[kTileNumel];
   for (int64_t tile_start = (start / kTileNumel) * kTileNumel; tile_start < stop; tile_start += kTileNumel) {
     noise_tile(seed, index, static_cast<uint64_t>(tile_start / 4), gaussian, noise);
@@ -254,18 +260,19 @@ __attribute__((always_inline)) inline void for_each_tile(uint64_t seed, uint64_t
 }
 
 // x[0 : stop - start] <- noise elements [start, stop).
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef HF_ZO_X86
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 void fill_range(float* x, uint64_t seed, uint64_t index, int64_t start, int64_t stop, bool gaussian) {
-  for_each_tile(seed, index, start, stop, gaussian, [&](int64_t tile_start, const float* noise, int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) x[k - start] = noise[k - tile_start];
-  });
+  for_each_tile(seed, index, start, stop, gaussian,
+                [&](int64_t tile_start, const float* noise, int64_t begin, int64_t end) {
+                  for (int64_t k = begin; k < end; ++k) x[k - start] = noise[k - tile_start];
+                });
 }
 
 // x[0 : stop - start] <- decay * x + sum_j coeffs[j] * z(seeds[j]) over elements [start, stop), a tile at a time:
 // first the decay, then each term in order, each rounded to float as the unfused torch operations round them.
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef HF_ZO_X86
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 void apply_range(float* x, uint64_t index, int64_t start, int64_t stop, float decay, const int64_t* seeds,
