@@ -32,9 +32,10 @@ class ZOConfig(TrainingArguments):
         zo_noise_algorithm (`str`, *optional*, defaults to `"auto"`):
             How gaussian and rademacher noise is computed: `"philox"` (Philox-4x32-10 + Box-Muller; a compiled CPU
             kernel fused into the sweeps, the same bits on every device), `"torch"` (PyTorch's generator per block,
-            the algorithm of hf_zo 0.1; bits depend on the device type) or `"auto"` (`"philox"` when its kernel
-            builds, else `"torch"` with a warning; on resume, the checkpoint's algorithm). Checkpoints and
-            trajectories record the algorithm, so resume and replay regenerate the same noise.
+            hf_zo's only algorithm before `"philox"`; bits depend on the device type) or `"auto"` (`"philox"` when
+            its kernel builds, else `"torch"` with a warning; on resume, the checkpoint's algorithm). Checkpoints
+            and trajectories record the algorithm, so resume and replay regenerate the same noise. See
+            docs/noise.md.
         zo_noise_cache (`bool`, *optional*):
             Keep each step's noise in memory instead of regenerating it in the next sweeps (memory: a few times the
             trainable size). Default: on when the trainable parameters are small (at most 4M elements, typical of

@@ -8,8 +8,8 @@ The noise ``z`` of a parameter is a pure function of ``(seed, index, distributio
   (``z`` is never written to memory); elsewhere, or when the kernel cannot be built, the same algorithm runs in
   torch operations. The bits are the same on every device and in both implementations.
 - ``"torch"``: ``z`` is cut into blocks of :data:`NOISE_BLOCK_NUMEL` elements, each drawn by PyTorch's generator
-  for the device (``normal_``/``bernoulli_``), seeded by a hash of ``(seed, index, block number)``. The algorithm of
-  hf_zo 0.1, and of every run recorded before the algorithm was.
+  for the device (``normal_``/``bernoulli_``), seeded by a hash of ``(seed, index, block number)``. The only
+  algorithm before ``"philox"``, so that of every run recorded before the algorithm was.
 
 Either way ``z`` never depends on traversal order, on which other parameters exist, on the chunk size or thread
 count used to sweep over it, or on the global RNG (which is never touched). Any chunk of any parameter can be
@@ -47,7 +47,7 @@ NOISE_ALGORITHMS = ("philox", "torch")
 it). ``"auto"`` picks ``"philox"`` when its compiled kernel loads, else ``"torch"``."""
 
 LEGACY_NOISE_ALGORITHM = "torch"
-"""The algorithm of checkpoints and trajectories that do not record one (written by hf_zo 0.1)."""
+"""The algorithm of checkpoints and trajectories that do not record one (written before ``"philox"`` existed)."""
 
 DEFAULT_TABLE_NUMEL = 1 << 23
 """Default size of the shared Gaussian table for ``distribution="table"`` (32 MiB in fp32)."""

@@ -119,8 +119,8 @@ def test_load_state_dict_rejects_other_optimizers():
 
 
 def test_resume_keeps_the_noise_algorithm_of_the_checkpoint():
-    """A checkpoint of hf_zo 0.1 (no algorithm recorded) resumes with its 'torch' noise; an explicit other algorithm
-    is refused instead of silently changing the noise."""
+    """A checkpoint written before 'philox' existed (no algorithm recorded) resumes with its 'torch' noise; an explicit
+    other algorithm is refused instead of silently changing the noise."""
 
     def run(split, algorithm="auto"):
         weight, bias, loss = _problem()
@@ -129,7 +129,7 @@ def test_resume_keeps_the_noise_algorithm_of_the_checkpoint():
             if step == split:
                 optimizer.flush()
                 state = optimizer.state_dict()
-                del state["zo"]["noise_algorithm"]  # as hf_zo 0.1 wrote it
+                del state["zo"]["noise_algorithm"]  # as hf_zo wrote it before 'philox' existed
                 optimizer = ZOSGD([weight, bias], lr=0.02, seed=3, noise=Noise(algorithm=algorithm))
                 optimizer.load_state_dict(state)
                 assert optimizer.noise.algorithm == "torch"

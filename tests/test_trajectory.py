@@ -215,7 +215,7 @@ def test_size_of_10000_steps(tmp_path):
 
 
 def test_version_1_trajectory_replays_with_the_torch_noise(tmp_path):
-    """Files of hf_zo 0.1 (format 1, no noise algorithm) were made with the 'torch' algorithm; replay uses it."""
+    """Format-1 files (no noise algorithm) were made with the 'torch' algorithm, the only one then; replay uses it."""
     base = tiny_causal_lm("opt")
     trainer = _train(
         copy.deepcopy(base), tmp_path / "run", max_steps=3, save_strategy="no", zo_noise_algorithm="torch"

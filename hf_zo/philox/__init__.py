@@ -6,6 +6,6 @@ fallback.
 """
 
 from .extension import build, kernel_error, load_kernel
-from .reference import TILE_NUMEL, philox4x32_10, philox_noise
+from .reference import philox4x32_10, philox_noise
 
-__all__ = ["TILE_NUMEL", "build", "kernel_error", "load_kernel", "philox4x32_10", "philox_noise"]
+__all__ = ["build", "kernel_error", "load_kernel", "philox4x32_10", "philox_noise"]
