@@ -32,8 +32,8 @@ class ZOConfig(TrainingArguments):
         zo_noise_algorithm (`str`, *optional*, defaults to `"auto"`):
             How gaussian and rademacher noise is computed: `"philox"` (Philox-4x32-10 + Box-Muller; a compiled CPU
             kernel fused into the sweeps, the same bits on every device), `"torch"` (PyTorch's generator per block,
-            hf_zo's only algorithm before `"philox"`; bits depend on the device type) or `"auto"` (`"philox"` when
-            its kernel builds, else `"torch"` with a warning; on resume, the checkpoint's algorithm). Checkpoints
+            hf_zo's only algorithm before `"philox"`; bits depend on the device type) or `"auto"` (`"philox"` on the
+            CPU when its kernel builds, else `"torch"`; on resume, the checkpoint's algorithm). Checkpoints
             and trajectories record the algorithm, so resume and replay regenerate the same noise. See
             docs/noise.md.
         zo_noise_cache (`bool`, *optional*):

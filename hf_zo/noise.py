@@ -44,7 +44,7 @@ NOISE_DISTRIBUTIONS = ("gaussian", "rademacher", "table")
 
 NOISE_ALGORITHMS = ("philox", "torch")
 """Algorithms that compute ``z`` for the gaussian and rademacher distributions (the table's values do not depend on
-it). ``"auto"`` picks ``"philox"`` when its compiled kernel loads, else ``"torch"``."""
+it). ``"auto"`` picks ``"philox"`` on the CPU when its compiled kernel loads, else ``"torch"``."""
 
 LEGACY_NOISE_ALGORITHM = "torch"
 """The algorithm of checkpoints and trajectories that do not record one (written before ``"philox"`` existed)."""
@@ -70,10 +70,16 @@ def mix_seed(*values: int) -> int:
     return h >> 1
 
 
-def resolve_noise_algorithm(algorithm: str) -> str:
-    """The algorithm `algorithm` names: itself, or for ``"auto"`` ``"philox"`` if its compiled kernel loads (building
-    it on first use) and ``"torch"`` otherwise, with one warning."""
+def resolve_noise_algorithm(algorithm: str, device_type: str = "cpu") -> str:
+    """The algorithm `algorithm` names for noise generated on `device_type`.
+
+    ``"auto"`` names ``"philox"`` on the CPU if its compiled kernel loads (building it on first use), else
+    ``"torch"`` (with one warning on the CPU). On GPUs torch's generator already runs at memory speed, while
+    ``"philox"`` would run as a sequence of torch operations.
+    """
     if algorithm == "auto":
+        if device_type != "cpu":
+            return "torch"
         if load_kernel() is not None:
             return "philox"
         _warn_once(
@@ -147,9 +153,10 @@ class Noise:
             is a few times the trainable size. See :meth:`enable_cache`.
         algorithm (`str`, defaults to `"auto"`):
             How `"gaussian"` and `"rademacher"` noise is computed: `"philox"`, `"torch"` (see the module docstring)
-            or `"auto"` (`"philox"` when its compiled kernel loads, else `"torch"` with a warning). The resolved
-            name is in `algorithm`; an automatic choice yields to the algorithm of a resumed run
-            (:meth:`use_algorithm`).
+            or `"auto"` (see :func:`resolve_noise_algorithm`). The resolved name is in `algorithm`; an automatic
+            choice yields to the algorithm of a resumed run (:meth:`use_algorithm`).
+        device_type (`str`, defaults to `"cpu"`):
+            Where the perturbed tensors live, for `algorithm="auto"`.
     """
 
     def __init__(
@@ -161,6 +168,7 @@ class Noise:
         table_seed: int = 0,
         cache_numel: int = 0,
         algorithm: str = "auto",
+        device_type: str = "cpu",
     ):
         if distribution not in NOISE_DISTRIBUTIONS:
             raise ValueError(f"Unknown noise distribution {distribution!r}; choose one of {NOISE_DISTRIBUTIONS}.")
@@ -181,7 +189,7 @@ class Noise:
         self._pool_workers = 0
         self.cache_numel = cache_numel
         self._cache: OrderedDict[int, dict[tuple, torch.Tensor]] = OrderedDict()
-        self.algorithm = resolve_noise_algorithm(algorithm)
+        self.algorithm = resolve_noise_algorithm(algorithm, device_type)
         self.algorithm_is_automatic = algorithm == "auto"
         self._check_kernel()
 
@@ -197,7 +205,7 @@ class Noise:
         if self.algorithm == "philox" and self.distribution != "table" and load_kernel() is None:
             _warn_once(
                 f"hf_zo's compiled noise kernel is unavailable ({kernel_error()}), so 'philox' noise is computed "
-                "with torch operations: the same bits, several times slower. Install g++ and ninja and run "
+                "with torch operations: the same bits, about 50x slower. Install g++ and ninja and run "
                 "`python -m hf_zo.philox --build` to build the kernel."
             )
 

@@ -369,7 +369,9 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
         lr=args.learning_rate,
         eps=args.zo_eps,
         weight_decay=args.weight_decay,
-        noise=Noise(args.zo_noise, algorithm=args.zo_noise_algorithm),
+        noise=Noise(
+            args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=param_groups[0]["params"][0].device.type
+        ),
         num_perturbations=args.zo_num_perturbations,
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,

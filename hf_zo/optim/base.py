@@ -90,7 +90,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips}.")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **defaults))
-        self.noise = noise if isinstance(noise, Noise) else Noise(noise)
+        if not isinstance(noise, Noise):
+            noise = Noise(noise, device_type=_device_type(self.param_groups))
+        self.noise = noise
         self.eps = eps
         self.num_perturbations = num_perturbations
         self.seed = int(seed)
@@ -330,6 +332,12 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             )
         logger.info("Resuming with the checkpoint's noise algorithm %r.", recorded)
         self.noise.use_algorithm(recorded)
+
+
+def _device_type(param_groups: list[dict]) -> str:
+    """Where the first parameter lives ("cpu" if there is none: the error about it comes later)."""
+    first = next((p for group in param_groups for p in group["params"]), None)
+    return first.device.type if first is not None else "cpu"
 
 
 def mean_projected_grads(records: list[ZORecord]) -> list[tuple[int, float]]:
