@@ -3,8 +3,8 @@
 The noise ``z`` of a parameter is a pure function of ``(seed, index, distribution, algorithm)``, and for the
 ``"torch"`` algorithm also of the device type. Two algorithms compute it (:data:`NOISE_ALGORITHMS`):
 
-- ``"philox"``: element ``e`` comes from Philox-4x32-10 keyed by the seed, with counter ``(e / 4, index)``, through
-  Box-Muller (see `hf_zo.philox`). On the CPU a compiled kernel generates it at memory speed, fused into the sweep
+- ``"philox"``: element ``e`` comes from Philox-4x32-10 keyed by the seed, with a counter made of ``e``'s block and
+  ``index``, through Box-Muller (see `hf_zo.philox`). On the CPU a compiled kernel generates it inside the sweep
   (``z`` is never written to memory); elsewhere, or when the kernel cannot be built, the same algorithm runs in
   torch operations. The bits are the same on every device and in both implementations.
 - ``"torch"``: ``z`` is cut into blocks of :data:`NOISE_BLOCK_NUMEL` elements, each drawn by PyTorch's generator
@@ -189,8 +189,10 @@ class Noise:
         self._pool_workers = 0
         self.cache_numel = cache_numel
         self._cache: OrderedDict[int, dict[tuple, torch.Tensor]] = OrderedDict()
-        self.algorithm = resolve_noise_algorithm(algorithm, device_type)
         self.algorithm_is_automatic = algorithm == "auto"
+        if distribution == "table" and algorithm == "auto":
+            algorithm = "torch"  # the table is drawn by torch's generator whatever the algorithm: no kernel to build
+        self.algorithm = resolve_noise_algorithm(algorithm, device_type)
         self._check_kernel()
 
     def use_algorithm(self, algorithm: str) -> None:
@@ -210,7 +212,7 @@ class Noise:
             )
 
     @property
-    def _philox(self) -> bool:
+    def _is_philox(self) -> bool:
         return self.algorithm == "philox" and self.distribution != "table"
 
     def __getstate__(self):
@@ -245,7 +247,7 @@ class Noise:
         With the `"torch"` algorithm `start` must be a multiple of `NOISE_BLOCK_NUMEL`. The noise does not depend on
         how a parameter is cut.
         """
-        if self._philox:
+        if self._is_philox:
             kernel = load_kernel()
             if kernel is not None and out.device.type == "cpu" and out.is_contiguous():
                 kernel.fill(out, seed, index, start, self.distribution == "gaussian")
@@ -381,7 +383,7 @@ class Noise:
             if not coeff:
                 continue
             z = self.chunk(scratch, seed, index, start)
-            if self._philox:
+            if self._is_philox:
                 # The compiled kernel's rounding: the product (in fp32, or float64 for float64 chunks), then the sum.
                 chunk.add_(z.to(torch.promote_types(chunk.dtype, torch.float32)) * coeff)
             else:
@@ -394,7 +396,7 @@ class Noise:
             return
         selected = [tensors[k] for k, _ in live]
         plans = [(u.decay, [(s, c) for s, c in u.terms.items() if c != 0.0]) for _, u in live]
-        kernel = load_kernel() if self._philox and not self.cache_numel else None
+        kernel = load_kernel() if self._is_philox and not self.cache_numel else None
         if kernel is not None:
             fused = [k for k, (_, t) in enumerate(selected) if _fused_kernel_can_update(t)]
             kernel.apply(
