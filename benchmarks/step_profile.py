@@ -5,7 +5,8 @@ Times, inside real training steps: the loss closures (forward passes), the noise
 generation (chunks of noise written to memory, on the sweep's threads) and the in-place update. Prints one JSON line
 per noise configuration (`distribution:algorithm`), with the generation cost in ns per element; for the gaussian
 configurations also `generation_speedup_vs_torch`, how many times faster than the `torch` algorithm (PyTorch's
-`normal_`, on the same threads) the configuration generates.
+`normal_`, on the same threads) the configuration generates. A first line compares, on one thread and in CPU time,
+`torch.Tensor.normal_` with the compiled kernel.
 
     python benchmarks/step_profile.py                   # opt-125m: gaussian with both algorithms, table noise
     python benchmarks/step_profile.py --shape small --noise gaussian:philox
@@ -130,6 +131,36 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
     }
 
 
+def generation_on_one_thread(numel: int = 1 << 22, repeats: int = 10) -> dict:
+    """ns per element, on one thread, of `torch.Tensor.normal_` and of the compiled kernel's gaussian and
+    rademacher fills (the latter is Philox alone: one sign bit per word, no Box-Muller)."""
+    from hf_zo.philox import load_kernel
+
+    kernel = load_kernel()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out, generator = torch.empty(numel), torch.Generator()
+
+    def per_element(fill) -> float:
+        fill()
+        start = time.thread_time()
+        for _ in range(repeats):
+            fill()
+        return round((time.thread_time() - start) / repeats / numel * 1e9, 3)
+
+    try:
+        result = {"threads": 1, "torch_normal_ns_per_element": per_element(lambda: out.normal_(generator=generator))}
+        if kernel is not None:
+            result["philox_gaussian_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, True))
+            result["philox_rademacher_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, False))
+            result["speedup"] = round(
+                result["torch_normal_ns_per_element"] / result["philox_gaussian_ns_per_element"], 2
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="opt-125m", choices=sorted(SHAPES))
@@ -137,6 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
+    print(json.dumps(generation_on_one_thread()), flush=True)
     torch_ns = None
     for noise in args.noise:
         result = profile(args.shape, noise, args.steps, args.warmup)
