@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -329,8 +330,11 @@ void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& i
       items.push_back({t, start, std::min(tensors[t].numel(), start + kGrainNumel)});
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
+  // Each thread takes the next item until none is left, so a thread that the OS pauses delays only its own item.
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
       float* data = tensors[item.tensor].data_ptr<float>() + item.start;
       apply_range(data, static_cast<uint64_t>(indices[item.tensor]), item.start, item.stop,
