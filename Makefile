@@ -12,9 +12,11 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # Pinned CPU torch first, so that resolving the package never pulls a CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+# Then the compiled noise kernel (hf_zo/philox), so that no run waits for the compiler.
+$(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/python -m hf_zo.philox --build
 	touch $(STAMP)
 
 install: $(STAMP)

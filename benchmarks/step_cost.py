@@ -4,12 +4,14 @@ For each configuration (model shape x full/LoRA), one fresh process measures, af
 per step and the peak resident memory of:
 
   (a) an inference forward (no_grad),
-  (b) an hf_zo ZO step through `ZOTrainer` with the default settings (and with `zo_noise="table"`),
+  (b) an hf_zo ZO step through `ZOTrainer` with the default settings (gaussian noise from the compiled Philox
+      kernel), with the previous generator (`zo_noise_algorithm="torch"`) and with `zo_noise="table"`,
   (c) a MeZO reference step written here from the published algorithm (torch.manual_seed before each of its four
       sweeps, z drawn per parameter with torch.normal, out-of-place updates),
   (d) a first-order AdamW step through `transformers.Trainer`.
 
-It prints one JSON line per configuration with the ratios `zo_step/forward`, `zo_table_step/forward`,
+It prints one JSON line per configuration with the ratios `zo_step/forward`, `zo_torch_noise_step/forward`,
+`zo_table_step/forward`,
 `mezo_step/zo_step`, `zo_peak_mem/inference_peak_mem` and `fo_peak_mem/zo_peak_mem`, then a summary table, and
 writes `docs/images/step_cost.png`. Peak memory is the resident set size above the process's size before the model
 was built (libraries only), so it counts weights, activations and every temporary.
@@ -201,6 +203,7 @@ def measure(
 
     from hf_zo import ZOConfig, ZOTrainer
     from hf_zo.demo.memory import PeakMemory, resident_bytes
+    from hf_zo.noise import resolve_noise_algorithm
 
     on_cuda = device == "cuda"
     peak_memory = CudaPeakMemory if on_cuda else PeakMemory
@@ -223,6 +226,9 @@ def measure(
     lr = 1e-4 if lora else 1e-6
     zo_step, zo_memory = time_trainer(
         ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr
+    )
+    zo_torch_noise_step, _ = time_trainer(
+        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr, zo_noise_algorithm="torch"
     )
     zo_table_step, _ = time_trainer(
         ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr, zo_noise="table"
@@ -257,8 +263,10 @@ def measure(
         "dtype": dtype,
         "peak_memory": "torch.cuda.max_memory_allocated" if on_cuda else "resident set size above baseline",
         "threads": torch.get_num_threads(),
+        "noise_algorithm": resolve_noise_algorithm("auto"),
         "forward_s": round(forward, 4),
         "zo_step_s": round(zo_step, 4),
+        "zo_torch_noise_step_s": round(zo_torch_noise_step, 4),
         "zo_table_step_s": round(zo_table_step, 4),
         "mezo_step_s": round(mezo_step, 4),
         "fo_step_s": round(fo_step, 4),
@@ -270,6 +278,7 @@ def measure(
     result.update(
         {
             "zo_step/forward": round(zo_step / forward, 3),
+            "zo_torch_noise_step/forward": round(zo_torch_noise_step / forward, 3),
             "zo_table_step/forward": round(zo_table_step / forward, 3),
             "mezo_step/zo_step": round(mezo_step / zo_step, 3),
             "fo_step/zo_step": round(fo_step / zo_step, 3),
@@ -290,6 +299,7 @@ def plot(results: list[dict], path: Path) -> None:
     labels = [f"{r['shape']}\n{r['mode']}" for r in results]
     series = {
         "hf_zo ZO step": [r["zo_step/forward"] for r in results],
+        "hf_zo ZO step (previous torch generator)": [r["zo_torch_noise_step/forward"] for r in results],
         "hf_zo ZO step (table noise)": [r["zo_table_step/forward"] for r in results],
         "MeZO reference step": [r["mezo_step_s"] / r["forward_s"] for r in results],
         "first-order AdamW step": [r["fo_step_s"] / r["forward_s"] for r in results],
@@ -314,6 +324,7 @@ def print_table(results: list[dict]) -> None:
         "mode",
         "forward_s",
         "zo_step/forward",
+        "zo_torch_noise_step/forward",
         "zo_table_step/forward",
         "mezo_step/zo_step",
         "zo_peak_mem/inference_peak_mem",

@@ -1,11 +1,15 @@
 """Where does a ZO step's time go? A profile of `ZOTrainer` steps on a random OPT (OPT-125M shape by default).
 
 Times, inside real training steps: the loss closures (forward passes), the noise sweeps, and everything else
-(Trainer bookkeeping, data loading); then, outside training, the cost of one sweep split into noise generation
-and the in-place update over memory. Prints one JSON line per noise distribution.
+(Trainer bookkeeping, data loading); then, outside training, the cost of one sweep over the model split into noise
+generation (chunks of noise written to memory, on the sweep's threads) and the in-place update. Prints one JSON line
+per noise configuration (`distribution:algorithm`), with the generation cost in ns per element; for the gaussian
+configurations also `generation_speedup_vs_torch`, how many times faster than the `torch` algorithm (PyTorch's
+`normal_`, on the same threads) the configuration generates. A first line compares, on one thread and in CPU time,
+`torch.Tensor.normal_` with the compiled kernel.
 
-    python benchmarks/step_profile.py                   # opt-125m, full fine-tuning, gaussian and table noise
-    python benchmarks/step_profile.py --shape small --noise gaussian
+    python benchmarks/step_profile.py                   # opt-125m: gaussian with both algorithms, table noise
+    python benchmarks/step_profile.py --shape small --noise gaussian:philox
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from step_cost import SHAPES, StepTimer, build_model, make_dataset
 from transformers import TrainerCallback
 
 from hf_zo import ZOConfig, ZOTrainer
-from hf_zo.noise import Noise
+from hf_zo.noise import Noise, NoiseUpdate
 
 
 class _Stopwatch:
@@ -39,6 +43,8 @@ class _Stopwatch:
 
 
 def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, length: int = 64) -> dict:
+    distribution, _, algorithm = noise.partition(":")
+    algorithm = algorithm or "auto"
     model = build_model(shape, lora=False)
     dataset = make_dataset(SHAPES[shape]["vocab_size"], batch, length, steps + warmup)
     forwards, sweeps = _Stopwatch(), _Stopwatch()
@@ -59,7 +65,8 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
             max_steps=steps + warmup,
             per_device_train_batch_size=batch,
             learning_rate=1e-6,
-            zo_noise=noise,
+            zo_noise=distribution,
+            zo_noise_algorithm=algorithm,
             save_strategy="no",
             report_to=[],
             disable_tqdm=True,
@@ -78,7 +85,7 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
     # One sweep of the whole model, split into generation and update.
     params = [(i, p.data) for i, p in enumerate(p for p in model.parameters() if p.requires_grad)]
     numel = sum(p.numel() for _, p in params)
-    sampler = Noise(noise)
+    sampler = Noise(distribution, algorithm=algorithm)
 
     def generate_only(position, start, chunk, scratch):
         sampler.chunk(scratch[0][: chunk.numel()], 1, params[position][0], start)
@@ -86,19 +93,27 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
     def generate_and_add(position, start, chunk, scratch):
         chunk.add_(sampler.chunk(scratch[0][: chunk.numel()], 1, params[position][0], start), alpha=0.0)
 
+    def sweep():
+        # What training runs: for 'philox' on the CPU, the compiled kernel's fused sweep (z never stored).
+        sampler.apply_(params, [NoiseUpdate(terms={1: 1e-9})] * len(params))
+
     timings = {}
-    for name, visit in (("generate", generate_only), ("generate_and_add", generate_and_add)):
-        sampler.map_chunks(params, visit)  # warm-up (builds the table for "table")
+    for name, run in (
+        ("generate", lambda: sampler.map_chunks(params, generate_only)),
+        ("generate_and_add", lambda: sampler.map_chunks(params, generate_and_add)),
+        ("sweep", sweep),
+    ):
+        run()  # warm-up (builds the table for "table")
         runs = []
         for _ in range(3):
             start = time.perf_counter()
-            sampler.map_chunks(params, visit)
+            run()
             runs.append(time.perf_counter() - start)
         timings[name] = statistics.median(runs)
     forward = forwards.seconds / (2 * steps)
     return {
         "shape": shape,
-        "noise": noise,
+        "noise": f"{distribution}:{sampler.algorithm}" if distribution != "table" else distribution,
         "trainable_params": numel,
         "threads": torch.get_num_threads(),
         "step_s": round(total / steps, 4),
@@ -110,19 +125,58 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
         "sweeps_per_step_s": round(sweeps.seconds / steps, 4),
         "one_sweep_generation_s": round(timings["generate"], 4),
         "one_sweep_generation_and_update_s": round(timings["generate_and_add"], 4),
+        "one_sweep_as_trained_s": round(timings["sweep"], 4),
         "noise_ns_per_element": round(timings["generate"] / numel * 1e9, 3),
+        "sweep_ns_per_element": round(timings["sweep"] / numel * 1e9, 3),
     }
+
+
+def generation_on_one_thread(numel: int = 1 << 22, repeats: int = 10) -> dict:
+    """ns per element, on one thread, of `torch.Tensor.normal_` and of the compiled kernel's gaussian and
+    rademacher fills (the latter is Philox alone: one sign bit per word, no Box-Muller)."""
+    from hf_zo.philox import load_kernel
+
+    kernel = load_kernel()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out, generator = torch.empty(numel), torch.Generator()
+
+    def per_element(fill) -> float:
+        fill()
+        start = time.thread_time()
+        for _ in range(repeats):
+            fill()
+        return round((time.thread_time() - start) / repeats / numel * 1e9, 3)
+
+    try:
+        result = {"threads": 1, "torch_normal_ns_per_element": per_element(lambda: out.normal_(generator=generator))}
+        if kernel is not None:
+            result["philox_gaussian_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, True))
+            result["philox_rademacher_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, False))
+            result["speedup"] = round(
+                result["torch_normal_ns_per_element"] / result["philox_gaussian_ns_per_element"], 2
+            )
+    finally:
+        torch.set_num_threads(threads)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="opt-125m", choices=sorted(SHAPES))
-    parser.add_argument("--noise", nargs="+", default=["gaussian", "table"])
+    parser.add_argument("--noise", nargs="+", default=["gaussian:torch", "gaussian:philox", "table"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
+    print(json.dumps(generation_on_one_thread()), flush=True)
+    torch_ns = None
     for noise in args.noise:
-        print(json.dumps(profile(args.shape, noise, args.steps, args.warmup)), flush=True)
+        result = profile(args.shape, noise, args.steps, args.warmup)
+        if result["noise"] == "gaussian:torch":
+            torch_ns = result["noise_ns_per_element"]
+        elif result["noise"].startswith("gaussian") and torch_ns:
+            result["generation_speedup_vs_torch"] = round(torch_ns / result["noise_ns_per_element"], 2)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,8 @@ def _describe(trajectory: ZOTrajectory, source: str) -> list[tuple[str, str]]:
         (
             "optimizer",
             f"{optimizer['class']} ({optimizer['name']}): eps={optimizer['eps']}, "
-            f"noise={optimizer['noise']['distribution']}, perturbations={optimizer['num_perturbations']}, "
+            f"noise={optimizer['noise']['distribution']} ({optimizer['noise']['algorithm']}), "
+            f"perturbations={optimizer['num_perturbations']}, "
             f"seed={optimizer['seed']}",
         ),
         (

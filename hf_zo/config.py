@@ -10,7 +10,7 @@ from transformers import TrainingArguments
 
 from .engine import ZO_ENGINES
 from .heads import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES
-from .noise import NOISE_DISTRIBUTIONS
+from .noise import NOISE_ALGORITHMS, NOISE_DISTRIBUTIONS
 from .offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
 from .optim import ZO_OPTIMIZERS
 
@@ -31,6 +31,13 @@ class ZOConfig(TrainingArguments):
         zo_noise (`str`, *optional*, defaults to `"gaussian"`):
             Perturbation distribution: `"gaussian"`, `"rademacher"`, or `"table"` (slices of one pre-generated
             Gaussian table: near-zero generation cost).
+        zo_noise_algorithm (`str`, *optional*, defaults to `"auto"`):
+            How gaussian and rademacher noise is computed: `"philox"` (Philox-4x32-10 + Box-Muller; a compiled CPU
+            kernel fused into the sweeps, the same bits on every device), `"torch"` (PyTorch's generator per block,
+            hf_zo's only algorithm before `"philox"`; bits depend on the device type) or `"auto"` (`"philox"` on the
+            CPU when its kernel builds, else `"torch"`; on resume, the checkpoint's algorithm). Checkpoints
+            and trajectories record the algorithm, so resume and replay regenerate the same noise. See
+            docs/noise.md.
         zo_noise_cache (`bool`, *optional*):
             Keep each step's noise in memory instead of regenerating it in the next sweeps (memory: a few times the
             trainable size). Default: on when the trainable parameters are small (at most 4M elements, typical of
@@ -128,6 +135,13 @@ class ZOConfig(TrainingArguments):
     zo_num_perturbations: int = field(default=1, metadata={"help": "Perturbations q per micro-batch."})
     zo_noise: str = field(
         default="gaussian", metadata={"help": "Noise distribution.", "choices": list(NOISE_DISTRIBUTIONS)}
+    )
+    zo_noise_algorithm: str = field(
+        default="auto",
+        metadata={
+            "help": "Noise algorithm (auto: philox if its kernel builds, else torch).",
+            "choices": ["auto", *NOISE_ALGORITHMS],
+        },
     )
     zo_noise_cache: bool | None = field(
         default=None, metadata={"help": "Cache each step's noise (default: on for small trainable sets)."}
@@ -235,6 +249,11 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"Unknown zo_optimizer {self.zo_optimizer!r}; choose one of {sorted(ZO_OPTIMIZERS)}.")
         if self.zo_noise not in NOISE_DISTRIBUTIONS:
             raise ValueError(f"Unknown zo_noise {self.zo_noise!r}; choose one of {list(NOISE_DISTRIBUTIONS)}.")
+        if self.zo_noise_algorithm not in ("auto", *NOISE_ALGORITHMS):
+            raise ValueError(
+                f"Unknown zo_noise_algorithm {self.zo_noise_algorithm!r}; choose 'auto' or one of "
+                f"{list(NOISE_ALGORITHMS)}."
+            )
         if not isinstance(self.zo_num_perturbations, int) or self.zo_num_perturbations < 1:
             raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
         if not 0.0 <= self.zo_momentum < 1.0:

@@ -1,17 +1,27 @@
 """Counter-based perturbation noise and the fused, chunked, in-place sweeps that apply it.
 
-The noise ``z`` of a parameter is a pure function of ``(seed, index, distribution, device type)``: it is cut into
-fixed blocks of :data:`NOISE_BLOCK_NUMEL` elements and every block is drawn from its own generator, seeded by a
-hash of ``(seed, index, block number)``. Hence ``z`` never depends on traversal order, on which other parameters
-exist, on the chunk size used to sweep over it, or on the global RNG (which is never touched). Any chunk of any
-parameter can be regenerated on its own, by any thread, which makes the sweeps parallel and exact.
+The noise ``z`` of a parameter is a pure function of ``(seed, index, distribution, algorithm)``, and for the
+``"torch"`` algorithm also of the device type. Two algorithms compute it (:data:`NOISE_ALGORITHMS`):
+
+- ``"philox"``: element ``e`` comes from Philox-4x32-10 keyed by the seed, with a counter made of ``e``'s block and
+  ``index``, through Box-Muller (see `hf_zo.philox`). On the CPU a compiled kernel generates it inside the sweep
+  (``z`` is never written to memory); elsewhere, or when the kernel cannot be built, the same algorithm runs in
+  torch operations. The bits are the same on every device and in both implementations.
+- ``"torch"``: ``z`` is cut into blocks of :data:`NOISE_BLOCK_NUMEL` elements, each drawn by PyTorch's generator
+  for the device (``normal_``/``bernoulli_``), seeded by a hash of ``(seed, index, block number)``. The only
+  algorithm before ``"philox"``, so that of every run recorded before the algorithm was.
+
+Either way ``z`` never depends on traversal order, on which other parameters exist, on the chunk size or thread
+count used to sweep over it, or on the global RNG (which is never touched). Any chunk of any parameter can be
+regenerated on its own, by any thread, which makes the sweeps parallel and exact.
 
 A sweep brings a tensor to ``decay * tensor + sum_j coeff_j * z(seed_j)`` in one pass over memory, a chunk at a
-time, so the only temporary is one chunk of noise per worker.
+time, so the only temporary is one chunk of noise per worker (none with the compiled kernel).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -20,6 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .philox import kernel_error, load_kernel, philox_noise
+
+logger = logging.getLogger(__name__)
+
 NOISE_BLOCK_NUMEL = 1 << 16
 """Elements drawn from one seeded generator. Fixed: changing it changes every ``z``."""
 
@@ -27,6 +41,13 @@ DEFAULT_CHUNK_NUMEL = 1 << 18
 """Default elements per sweep chunk (a multiple of :data:`NOISE_BLOCK_NUMEL`)."""
 
 NOISE_DISTRIBUTIONS = ("gaussian", "rademacher", "table")
+
+NOISE_ALGORITHMS = ("philox", "torch")
+"""Algorithms that compute ``z`` for the gaussian and rademacher distributions (the table's values do not depend on
+it). ``"auto"`` picks ``"philox"`` on the CPU when its compiled kernel loads, else ``"torch"``."""
+
+LEGACY_NOISE_ALGORITHM = "torch"
+"""The algorithm of checkpoints and trajectories that do not record one (written before ``"philox"`` existed)."""
 
 DEFAULT_TABLE_NUMEL = 1 << 23
 """Default size of the shared Gaussian table for ``distribution="table"`` (32 MiB in fp32)."""
@@ -47,6 +68,39 @@ def mix_seed(*values: int) -> int:
     for v in values:
         h = _splitmix64(h ^ (int(v) & _MASK64))
     return h >> 1
+
+
+def resolve_noise_algorithm(algorithm: str, device_type: str = "cpu") -> str:
+    """The algorithm `algorithm` names for noise generated on `device_type`.
+
+    ``"auto"`` names ``"philox"`` on the CPU if its compiled kernel loads (building it on first use), else
+    ``"torch"`` (with one warning on the CPU). On GPUs torch's generator already runs at memory speed, while
+    ``"philox"`` would run as a sequence of torch operations.
+    """
+    if algorithm == "auto":
+        if device_type != "cpu":
+            return "torch"
+        if load_kernel() is not None:
+            return "philox"
+        _warn_once(
+            f"hf_zo's compiled noise kernel is unavailable ({kernel_error()}), so zo_noise_algorithm='auto' falls "
+            "back to 'torch' (PyTorch's generator, several times slower than the kernel). The run records the "
+            "algorithm, so resume and replay stay exact. To use 'philox', install g++ and ninja and run "
+            "`python -m hf_zo.philox --build`."
+        )
+        return "torch"
+    if algorithm not in NOISE_ALGORITHMS:
+        raise ValueError(f"Unknown noise algorithm {algorithm!r}; choose 'auto' or one of {NOISE_ALGORITHMS}.")
+    return algorithm
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 @dataclass
@@ -97,6 +151,12 @@ class Noise:
             Keep generated noise chunks of the most recent seeds, up to this many elements, instead of regenerating
             them in the next sweeps (0 disables). Worth it when the perturbed tensors are small (PEFT): memory cost
             is a few times the trainable size. See :meth:`enable_cache`.
+        algorithm (`str`, defaults to `"auto"`):
+            How `"gaussian"` and `"rademacher"` noise is computed: `"philox"`, `"torch"` (see the module docstring)
+            or `"auto"` (see :func:`resolve_noise_algorithm`). The resolved name is in `algorithm`; an automatic
+            choice yields to the algorithm of a resumed run (:meth:`use_algorithm`).
+        device_type (`str`, defaults to `"cpu"`):
+            Where the perturbed tensors live, for `algorithm="auto"`.
     """
 
     def __init__(
@@ -107,6 +167,8 @@ class Noise:
         table_numel: int = DEFAULT_TABLE_NUMEL,
         table_seed: int = 0,
         cache_numel: int = 0,
+        algorithm: str = "auto",
+        device_type: str = "cpu",
     ):
         if distribution not in NOISE_DISTRIBUTIONS:
             raise ValueError(f"Unknown noise distribution {distribution!r}; choose one of {NOISE_DISTRIBUTIONS}.")
@@ -127,6 +189,31 @@ class Noise:
         self._pool_workers = 0
         self.cache_numel = cache_numel
         self._cache: OrderedDict[int, dict[tuple, torch.Tensor]] = OrderedDict()
+        self.algorithm_is_automatic = algorithm == "auto"
+        if distribution == "table" and algorithm == "auto":
+            algorithm = "torch"  # the table is drawn by torch's generator whatever the algorithm: no kernel to build
+        self.algorithm = resolve_noise_algorithm(algorithm, device_type)
+        self._check_kernel()
+
+    def use_algorithm(self, algorithm: str) -> None:
+        """Generate with `algorithm` (`"philox"` or `"torch"`) from now on, e.g. that of the run being resumed."""
+        if algorithm not in NOISE_ALGORITHMS:
+            raise ValueError(f"Unknown noise algorithm {algorithm!r}; choose one of {NOISE_ALGORITHMS}.")
+        self.algorithm = algorithm
+        self._cache.clear()
+        self._check_kernel()
+
+    def _check_kernel(self) -> None:
+        if self.algorithm == "philox" and self.distribution != "table" and load_kernel() is None:
+            _warn_once(
+                f"hf_zo's compiled noise kernel is unavailable ({kernel_error()}), so 'philox' noise is computed "
+                "with torch operations: the same bits, about 50x slower. Install g++ and ninja and run "
+                "`python -m hf_zo.philox --build` to build the kernel."
+            )
+
+    @property
+    def _is_philox(self) -> bool:
+        return self.algorithm == "philox" and self.distribution != "table"
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -157,8 +244,16 @@ class Noise:
     def fill_(self, out: torch.Tensor, seed: int, index: int, start: int) -> torch.Tensor:
         """Write ``z[start : start + out.numel()]`` of parameter `index` for `seed` into the fp32 vector `out`.
 
-        `start` must be a multiple of `NOISE_BLOCK_NUMEL`; the noise does not depend on how a parameter is cut.
+        With the `"torch"` algorithm `start` must be a multiple of `NOISE_BLOCK_NUMEL`. The noise does not depend on
+        how a parameter is cut.
         """
+        if self._is_philox:
+            kernel = load_kernel()
+            if kernel is not None and out.device.type == "cpu" and out.is_contiguous():
+                kernel.fill(out, seed, index, start, self.distribution == "gaussian")
+            else:
+                out.copy_(philox_noise(seed, index, start, out.numel(), self.distribution == "gaussian", out.device))
+            return out
         if start % NOISE_BLOCK_NUMEL:
             raise ValueError(f"start must be a multiple of {NOISE_BLOCK_NUMEL}, got {start}.")
         numel = out.numel()
@@ -268,6 +363,32 @@ class Noise:
             if not tensor.is_contiguous():
                 tensor.data.copy_(flat.view_as(tensor))
 
+    def update_chunk_(
+        self,
+        chunk: torch.Tensor,
+        scratch: torch.Tensor,
+        index: int,
+        start: int,
+        decay: float,
+        terms: Sequence[tuple[int, float]],
+    ) -> None:
+        """In place, ``chunk <- decay * chunk + sum(coeff * z(seed)[start:] for seed, coeff in terms)``.
+
+        `chunk` is elements ``[start, start + chunk.numel())`` of parameter `index` (flat), `scratch` an fp32 buffer
+        of its size for the noise. Every sweep updates chunks this way, so all of them round alike.
+        """
+        if decay != 1.0:
+            chunk.mul_(decay)
+        for seed, coeff in terms:
+            if not coeff:
+                continue
+            z = self.chunk(scratch, seed, index, start)
+            if self._is_philox:
+                # The compiled kernel's rounding: the product (in fp32, or float64 for float64 chunks), then the sum.
+                chunk.add_(z.to(torch.promote_types(chunk.dtype, torch.float32)) * coeff)
+            else:
+                chunk.add_(z, alpha=coeff)
+
     def apply_(self, tensors: Sequence[tuple[int, torch.Tensor]], updates: Sequence[NoiseUpdate]) -> None:
         """Apply ``updates[k]`` to ``tensors[k] = (index, tensor)`` in place, in one sweep over memory."""
         live = [(k, u) for k, u in enumerate(updates) if not u.is_identity()]
@@ -275,16 +396,30 @@ class Noise:
             return
         selected = [tensors[k] for k, _ in live]
         plans = [(u.decay, [(s, c) for s, c in u.terms.items() if c != 0.0]) for _, u in live]
+        kernel = load_kernel() if self._is_philox and not self.cache_numel else None
+        if kernel is not None:
+            fused = [k for k, (_, t) in enumerate(selected) if _fused_kernel_can_update(t)]
+            kernel.apply(
+                [selected[k][1].data for k in fused],
+                [selected[k][0] for k in fused],
+                [plans[k][0] for k in fused],
+                [[seed for seed, _ in plans[k][1]] for k in fused],
+                [[coeff for _, coeff in plans[k][1]] for k in fused],
+                self.distribution == "gaussian",
+            )
+            rest = sorted(set(range(len(selected))) - set(fused))
+            selected, plans = [selected[k] for k in rest], [plans[k] for k in rest]
 
         def visit(position, start, chunk, scratch):
             decay, terms = plans[position]
-            index = selected[position][0]
-            if decay != 1.0:
-                chunk.mul_(decay)
-            for seed, coeff in terms:
-                chunk.add_(self.chunk(scratch[0], seed, index, start), alpha=coeff)
+            self.update_chunk_(chunk, scratch[0], selected[position][0], start, decay, terms)
 
         self.map_chunks(selected, visit)
+
+
+def _fused_kernel_can_update(tensor: torch.Tensor) -> bool:
+    """Whether the compiled kernel can sweep `tensor` in place (else chunks of noise are generated and added)."""
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
 
 
 def _flat_view(tensor: torch.Tensor) -> torch.Tensor:

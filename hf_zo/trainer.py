@@ -24,6 +24,7 @@ from .checkpoint import publish_checkpoint, replace_files_atomically, staging_di
 from .config import ZOConfig
 from .engine import DualEngine
 from .heads import ZOHeads, prepare_zo_heads
+from .noise import Noise
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
 from .parallel.replicas import ReplicaCallback
@@ -380,7 +381,9 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
         lr=args.learning_rate,
         eps=args.zo_eps,
         weight_decay=args.weight_decay,
-        noise=args.zo_noise,
+        noise=Noise(
+            args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=param_groups[0]["params"][0].device.type
+        ),
         num_perturbations=args.zo_num_perturbations,
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,

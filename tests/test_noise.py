@@ -114,4 +114,6 @@ def test_invalid_arguments_are_rejected():
     with pytest.raises(ValueError, match="chunk_numel must be >= 1"):
         Noise(chunk_numel=0)
     with pytest.raises(ValueError, match="multiple of"):
-        Noise().fill_(torch.empty(10), 0, 0, start=3)
+        Noise(algorithm="torch").fill_(torch.empty(10), 0, 0, start=3)
+    with pytest.raises(ValueError, match="Unknown noise algorithm 'mt19937'"):
+        Noise(algorithm="mt19937")

@@ -227,6 +227,27 @@ def test_size_of_10000_steps(tmp_path):
     assert len(ZOTrajectory.load(tmp_path)) == 10_000
 
 
+def test_version_1_trajectory_replays_with_the_torch_noise(tmp_path):
+    """Format-1 files (no noise algorithm) were made with the 'torch' algorithm, the only one then; replay uses it."""
+    base = tiny_causal_lm("opt")
+    trainer = _train(
+        copy.deepcopy(base), tmp_path / "run", max_steps=3, save_strategy="no", zo_noise_algorithm="torch"
+    )
+    data = (tmp_path / "run" / TRAJECTORY_NAME).read_bytes()
+    magic, _, header_size, body_size = struct.unpack_from("<8sIIQ", data)
+    header = json.loads(data[24 : 24 + header_size])
+    del header["optimizer"]["noise"]["algorithm"]
+    header["format_version"] = 1
+    header_bytes = json.dumps(header).encode()
+    old = struct.pack("<8sIIQ", magic, 1, len(header_bytes), body_size) + header_bytes + data[24 + header_size : -32]
+    (tmp_path / "old.bin").write_bytes(old + hashlib.sha256(old).digest())
+
+    trajectory = ZOTrajectory.load(tmp_path / "old.bin")
+    assert trajectory.header["optimizer"]["noise"]["algorithm"] == "torch"
+    rebuilt = replay(copy.deepcopy(base), trajectory)  # checks the end checksum too
+    _assert_bitwise(_trainable(rebuilt), _trainable(trainer.model))
+
+
 def test_cli_inspect_and_replay(tmp_path, capsys):
     base = tiny_causal_lm("opt")
     base.save_pretrained(tmp_path / "base")
@@ -236,6 +257,7 @@ def test_cli_inspect_and_replay(tmp_path, capsys):
     out = capsys.readouterr().out
     for expected in [
         "format version 2",
+        f"noise=gaussian ({trainer.zo_optimizer.noise.algorithm})",
         "OPTForCausalLM",
         "ZOSGD",
         "steps        0 to 2 (3 steps, 12 estimates",

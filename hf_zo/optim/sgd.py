@@ -57,14 +57,9 @@ class _ChunkwiseZOOptimizer(ZOOptimizer):
             z, grad = scratch
             index = tensors[position][0]
             update = pending[position]
-            if update.decay != 1.0:
-                chunk.mul_(update.decay)
-            for seed, coeff in update.terms.items():
-                if coeff:
-                    chunk.add_(noise.chunk(z, seed, index, start), alpha=coeff)
+            noise.update_chunk_(chunk, z, index, start, update.decay, list(update.terms.items()))
             grad.zero_()
-            for seed, weight in weights:
-                grad.add_(noise.chunk(z, seed, index, start), alpha=weight)
+            noise.update_chunk_(grad, z, index, start, 1.0, weights)
             stop = start + chunk.numel()
             group = self.param_groups[self._group_of[position]]
             self._update_chunk(chunk, grad, [s[start:stop] for s in states[position]], group)

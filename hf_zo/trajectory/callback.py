@@ -75,6 +75,17 @@ class ZOTrajectoryCallback(TrainerCallback):
                 optimizer.zo_step,
             )
             return None
+        recorded = trajectory.header["optimizer"]["noise"]["algorithm"]
+        if recorded != optimizer.noise.algorithm:
+            logger.warning(
+                "%s was recorded with the %r noise algorithm but the run resumes with %r: starting a new trajectory "
+                "at step %d.",
+                path,
+                recorded,
+                optimizer.noise.algorithm,
+                optimizer.zo_step,
+            )
+            return None
         trajectory.header["checksums"]["end"] = None
         return trajectory
 

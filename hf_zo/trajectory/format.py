@@ -13,7 +13,8 @@ File format (``zo_trajectory.bin``, version 2, little-endian)::
         trainable tensors the ZO optimizer does not update); empty when there are none
     SHA-256 of everything above (32 bytes): detects corruption and truncation.
 
-Version 1 (read, never written) has no tensor section and no T in its preamble.
+Version 1 (read, never written) has no tensor section and no T in its preamble, and does not record the noise
+algorithm (header ``optimizer.noise.algorithm``): it is read as made with ``"torch"``, the only one hf_zo had then.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
+from ..noise import LEGACY_NOISE_ALGORITHM
 from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
 from .base import frozen_fingerprint, initial_tensors_not_in_base
 
@@ -174,6 +176,7 @@ class ZOTrajectory:
                 "seed": optimizer.seed,
                 "noise": {
                     "distribution": noise.distribution,
+                    "algorithm": noise.algorithm,
                     "table_numel": noise.table_numel,
                     "table_seed": noise.table_seed,
                 },
@@ -389,6 +392,7 @@ class ZOTrajectory:
             )
         body_start = preamble + header_size
         header = json.loads(data[preamble:body_start].decode("utf-8"))
+        header["optimizer"]["noise"].setdefault("algorithm", LEGACY_NOISE_ALGORITHM)  # version 1
         tensors = data[body_start + body_size : body_start + body_size + tensor_size]
         stored = load_safetensors(zlib.decompress(tensors)) if tensors else {}
         trajectory = cls(

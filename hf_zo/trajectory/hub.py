@@ -121,7 +121,8 @@ weights. `hf-zo inspect {repo_id}` prints the hyper-parameters and step statisti
 
 | | |
 | --- | --- |
-| optimizer | `{optimizer["class"]}`, eps {optimizer["eps"]}, {optimizer["noise"]["distribution"]} noise, \
+| optimizer | `{optimizer["class"]}`, eps {optimizer["eps"]}, {optimizer["noise"]["distribution"]} noise \
+({optimizer["noise"]["algorithm"]} algorithm), \
 {optimizer["num_perturbations"]} perturbation(s) per micro-batch, seed {optimizer["seed"]} |
 | steps | {trajectory.first_step} to {trajectory.next_step - 1} |
 | base checksum (SHA-256) | `{header["checksums"]["start"]["sha256"]}` |

@@ -63,10 +63,13 @@ def replay(
     on_recorded_device = optimizer.params.tensors[0][1].device.type == trajectory.header["device_type"]
     if not on_recorded_device:
         logger.warning(
-            "Replaying a trajectory recorded on %s on %s: the noise differs across device types, so the result will "
-            "not match the trained weights.",
+            "Replaying a trajectory recorded on %s on %s: %s, so the result may not match the trained weights "
+            "bitwise.",
             trajectory.header["device_type"],
             optimizer.params.tensors[0][1].device.type,
+            "the 'torch' noise algorithm draws different noise on each device type"
+            if optimizer.noise.algorithm == "torch"
+            else "the noise is the same but the update arithmetic may round differently",
         )
     optimizer.zo_step = trajectory.first_step
     for step in tqdm(

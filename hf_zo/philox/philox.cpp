@@ -1,0 +1,357 @@
+// Philox-4x32-10 + Box-Muller perturbation noise for hf_zo, compiled for the CPU.
+//
+// The noise of parameter `index` for `seed`: Philox-4x32-10 (Salmon et al., SC'11; the generator of cuRAND and
+// JAX) with key (seed low, seed high) encrypts the counter (block low, block high, index low, index high) into four
+// 32-bit words. Blocks come in tiles of kTileBlocks: word k of block kTileBlocks * t + i gives element
+// kTileNumel * t + kTileBlocks * k + i. Gaussian: words (0, 1) and (2, 3) each feed one Box-Muller pair (radius from
+// the first, angle from the second); Rademacher: the sign bit of each word. An element depends on (seed, index,
+// element) only, never on how a tensor is cut into ranges or threads.
+//
+// The bits are the same on every machine and in hf_zo/philox/reference.py, which computes the same numbers with
+// torch operations step for step: only integer operations, float additions, multiplications and sqrt (each rounded
+// once: the file is compiled with -ffp-contract=off), and log/sin/cos as the Cephes single-precision polynomials
+// written out here instead of libm's.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HF_ZO_X86 1
+#endif
+
+namespace {
+
+constexpr uint32_t kMul0 = 0xD2511F53u;
+constexpr uint32_t kMul1 = 0xCD9E8D57u;
+constexpr uint32_t kWeyl0 = 0x9E3779B9u;
+constexpr uint32_t kWeyl1 = 0xBB67AE85u;
+constexpr int kRounds = 10;
+
+// Philox blocks per tile: 256 blocks give 1024 elements (4 KiB of fp32), which stay in L1 while a tile is updated.
+constexpr int64_t kTileBlocks = 256;
+constexpr int64_t kTileNumel = 4 * kTileBlocks;
+// Elements per parallel work item of a sweep.
+constexpr int64_t kGrainNumel = 1 << 16;
+
+// Constants are written as doubles and rounded to float, as torch rounds a Python float scalar.
+const float kTwoPow24Inv = static_cast<float>(1.0 / 16777216.0);
+const float kSqrtHalf = static_cast<float>(0.70710678118654752440);
+const float kLogP0 = static_cast<float>(7.0376836292E-2);
+const float kLogP1 = static_cast<float>(-1.1514610310E-1);
+const float kLogP2 = static_cast<float>(1.1676998740E-1);
+const float kLogP3 = static_cast<float>(-1.2420140846E-1);
+const float kLogP4 = static_cast<float>(1.4249322787E-1);
+const float kLogP5 = static_cast<float>(-1.6668057665E-1);
+const float kLogP6 = static_cast<float>(2.0000714765E-1);
+const float kLogP7 = static_cast<float>(-2.4999993993E-1);
+const float kLogP8 = static_cast<float>(3.3333331174E-1);
+const float kLn2Low = static_cast<float>(-2.12194440E-4);
+const float kLn2High = static_cast<float>(0.693359375);
+const float kAngleStep = static_cast<float>(6.283185307179586476925 / 16777216.0);
+const float kSin0 = static_cast<float>(-1.9515295891E-4);
+const float kSin1 = static_cast<float>(8.3321608736E-3);
+const float kSin2 = static_cast<float>(-1.6666654611E-1);
+const float kCos0 = static_cast<float>(2.443315711809948E-5);
+const float kCos1 = static_cast<float>(-1.388731625493765E-3);
+const float kCos2 = static_cast<float>(4.166664568298827E-2);
+
+inline float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint32_t float_to_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// sqrt(-2 log u) for u = ((a >> 8) + 1) / 2^24 in (0, 1]: Cephes logf after an exact frexp.
+__attribute__((always_inline)) inline float box_muller_radius(uint32_t a) {
+  const float u = static_cast<float>((a >> 8) + 1u) * kTwoPow24Inv;
+  const uint32_t bits = float_to_bits(u);
+  int32_t exponent = static_cast<int32_t>(bits >> 23) - 126;
+  const float mantissa = bits_to_float((bits & 0x007FFFFFu) | 0x3F000000u);  // in [0.5, 1)
+  // Mantissas below sqrt(1/2) are doubled (exactly) so that x = mantissa - 1 stays in [-0.29, 0.41).
+  const int32_t low = mantissa < kSqrtHalf ? 1 : 0;
+  exponent -= low;
+  const float x = mantissa * static_cast<float>(1 + low) - 1.0f;
+  const float z = x * x;
+  float y = kLogP0;
+  y = y * x + kLogP1;
+  y = y * x + kLogP2;
+  y = y * x + kLogP3;
+  y = y * x + kLogP4;
+  y = y * x + kLogP5;
+  y = y * x + kLogP6;
+  y = y * x + kLogP7;
+  y = y * x + kLogP8;
+  y = (y * x) * z;
+  const float e = static_cast<float>(exponent);
+  y = y + kLn2Low * e;
+  y = y - 0.5f * z;
+  float log_u = x + y;
+  log_u = log_u + kLn2High * e;
+  return std::sqrt(-2.0f * log_u);
+}
+
+// (cos, sin) of 2 pi t / 2^24 for t = b >> 8: exact reduction to the nearest quarter turn, then Cephes sinf/cosf.
+__attribute__((always_inline)) inline void box_muller_angle(uint32_t b, float& cosine, float& sine) {
+  const int32_t t = static_cast<int32_t>(b >> 8);
+  const int32_t quarter = (t + (1 << 21)) >> 22;
+  const float theta = static_cast<float>(t - (quarter << 22)) * kAngleStep;  // in [-pi/4, pi/4)
+  const float z = theta * theta;
+  const float s = (((kSin0 * z + kSin1) * z + kSin2) * z) * theta + theta;
+  const float c = ((((kCos0 * z + kCos1) * z + kCos2) * z) * z - 0.5f * z) + 1.0f;
+  // Quarter turn q maps (c, s) to (c, s), (-s, c), (-c, -s), (s, -c): a swap and sign flips, done on the bits.
+  const uint32_t q = static_cast<uint32_t>(quarter) & 3u;
+  const uint32_t swap = 0u - (q & 1u);
+  const uint32_t c_bits = float_to_bits(c), s_bits = float_to_bits(s);
+  cosine = bits_to_float(((c_bits & ~swap) | (s_bits & swap)) ^ (((q ^ (q >> 1)) & 1u) << 31));
+  sine = bits_to_float(((s_bits & ~swap) | (c_bits & swap)) ^ ((q >> 1) << 31));
+}
+
+// Philox-4x32-10 of the counters (block, index) for the kTileBlocks blocks from first_block: words[k][i] is word k
+// of block first_block + i. Portable version.
+void philox_blocks_portable(uint64_t seed, uint64_t index, uint64_t first_block, uint32_t (*words)[kTileBlocks]) {
+  const uint32_t key0 = static_cast<uint32_t>(seed), key1 = static_cast<uint32_t>(seed >> 32);
+  for (int64_t i = 0; i < kTileBlocks; ++i) {
+    const uint64_t block = first_block + static_cast<uint64_t>(i);
+    uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32);
+    uint32_t c2 = static_cast<uint32_t>(index), c3 = static_cast<uint32_t>(index >> 32);
+    uint32_t k0 = key0, k1 = key1;
+    for (int round = 0; round < kRounds; ++round) {
+      const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0;
+      const uint64_t p1 = static_cast<uint64_t>(kMul1) * c2;
+      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+      c1 = static_cast<uint32_t>(p1);
+      c3 = static_cast<uint32_t>(p0);
+      c0 = n0;
+      c2 = n2;
+      k0 += kWeyl0;
+      k1 += kWeyl1;
+    }
+    words[0][i] = c0;
+    words[1][i] = c1;
+    words[2][i] = c2;
+    words[3][i] = c3;
+  }
+}
+
+#ifdef HF_ZO_X86
+// The same, eight blocks per AVX2 register: the 32x32->64-bit products of even and odd lanes are formed by two
+// vpmuludq and their high and low halves blended back into lanes.
+__attribute__((target("avx2"))) inline void mul_hi_lo(__m256i a, __m256i multiplier, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(a, multiplier);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), multiplier);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+__attribute__((target("avx2"))) void philox_blocks_avx2(uint64_t seed, uint64_t index, uint64_t first_block,
+                                                        uint32_t (*words)[kTileBlocks]) {
+  const __m256i mul0 = _mm256_set1_epi32(static_cast<int32_t>(kMul0));
+  const __m256i mul1 = _mm256_set1_epi32(static_cast<int32_t>(kMul1));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i keys0[kRounds], keys1[kRounds];
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < kRounds; ++round) {
+    keys0[round] = _mm256_set1_epi32(static_cast<int32_t>(k0));
+    keys1[round] = _mm256_set1_epi32(static_cast<int32_t>(k1));
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  const __m256i index_low = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(index)));
+  const __m256i index_high = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(index >> 32)));
+  // kInterleave independent groups of eight blocks per iteration hide the latency of a round's dependency chain.
+  constexpr int kInterleave = 2;
+  for (int64_t i = 0; i < kTileBlocks; i += 8 * kInterleave) {
+    __m256i c0[kInterleave], c1[kInterleave], c2[kInterleave], c3[kInterleave];
+    for (int g = 0; g < kInterleave; ++g) {
+      // The block is a multiple of 8, so the low words of its eight blocks never wrap around.
+      const uint64_t block = first_block + static_cast<uint64_t>(i + 8 * g);
+      c0[g] = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(block))), lanes);
+      c1[g] = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(block >> 32)));
+      c2[g] = index_low;
+      c3[g] = index_high;
+    }
+    for (int round = 0; round < kRounds; ++round) {
+      for (int g = 0; g < kInterleave; ++g) {
+        __m256i hi0, lo0, hi1, lo1;
+        mul_hi_lo(c0[g], mul0, hi0, lo0);
+        mul_hi_lo(c2[g], mul1, hi1, lo1);
+        c0[g] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[g]), keys0[round]);
+        c2[g] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[g]), keys1[round]);
+        c1[g] = lo1;
+        c3[g] = lo0;
+      }
+    }
+    for (int g = 0; g < kInterleave; ++g) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&words[0][i + 8 * g]), c0[g]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&words[1][i + 8 * g]), c1[g]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&words[2][i + 8 * g]), c2[g]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&words[3][i + 8 * g]), c3[g]);
+    }
+  }
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+void philox_blocks(uint64_t seed, uint64_t index, uint64_t first_block, uint32_t (*words)[kTileBlocks]) {
+#ifdef HF_ZO_X86
+  if (kHasAvx2) {
+    philox_blocks_avx2(seed, index, first_block, words);
+    return;
+  }
+#endif
+  philox_blocks_portable(seed, index, first_block, words);
+}
+
+// Noise elements [4 * first_block, 4 * first_block + kTileNumel) into out[0 : kTileNumel], first_block a multiple
+// of kTileBlocks: word k of block first_block + i gives element 4 * first_block + kTileBlocks * k + i.
+__attribute__((always_inline)) inline void noise_tile(uint64_t seed, uint64_t index, uint64_t first_block,
+                                                      bool gaussian, float* out) {
+  alignas(64) uint32_t words[4][kTileBlocks];
+  philox_blocks(seed, index, first_block, words);
+  if (gaussian) {
+    for (int64_t i = 0; i < kTileBlocks; ++i) {
+      const float r0 = box_muller_radius(words[0][i]);
+      const float r1 = box_muller_radius(words[2][i]);
+      float cos0, sin0, cos1, sin1;
+      box_muller_angle(words[1][i], cos0, sin0);
+      box_muller_angle(words[3][i], cos1, sin1);
+      out[i] = r0 * cos0;
+      out[kTileBlocks + i] = r0 * sin0;
+      out[2 * kTileBlocks + i] = r1 * cos1;
+      out[3 * kTileBlocks + i] = r1 * sin1;
+    }
+  } else {
+    for (int64_t k = 0; k < 4; ++k) {
+      for (int64_t i = 0; i < kTileBlocks; ++i) {
+        out[k * kTileBlocks + i] = bits_to_float(0x3F800000u | (words[k][i] & 0x80000000u));  // +1 or -1
+      }
+    }
+  }
+}
+
+// Calls visit(tile_start, noise, begin, end) for the tiles covering elements [start, stop) of the noise: the
+// tile's noise covers elements [tile_start, tile_start + kTileNumel), of which [begin, end) are wanted.
+template <typename Visit>
+__attribute__((always_inline)) inline void for_each_tile(uint64_t seed, uint64_t index, int64_t start, int64_t stop,
+                                                         bool gaussian, Visit visit) {
+  alignas(64) float noise[kTileNumel];
+  for (int64_t tile_start = (start / kTileNumel) * kTileNumel; tile_start < stop; tile_start += kTileNumel) {
+    noise_tile(seed, index, static_cast<uint64_t>(tile_start / 4), gaussian, noise);
+    const int64_t begin = std::max(start, tile_start), end = std::min(stop, tile_start + kTileNumel);
+    visit(tile_start, noise, begin, end);
+  }
+}
+
+// x[0 : stop - start] <- noise elements [start, stop).
+#ifdef HF_ZO_X86
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void fill_range(float* x, uint64_t seed, uint64_t index, int64_t start, int64_t stop, bool gaussian) {
+  for_each_tile(seed, index, start, stop, gaussian,
+                [&](int64_t tile_start, const float* noise, int64_t begin, int64_t end) {
+                  for (int64_t k = begin; k < end; ++k) x[k - start] = noise[k - tile_start];
+                });
+}
+
+// x[0 : stop - start] <- decay * x + sum_j coeffs[j] * z(seeds[j]) over elements [start, stop), a tile at a time:
+// first the decay, then each term in order, each rounded to float as the unfused torch operations round them.
+#ifdef HF_ZO_X86
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void apply_range(float* x, uint64_t index, int64_t start, int64_t stop, float decay, const int64_t* seeds,
+                 const float* coeffs, int64_t num_terms, bool gaussian) {
+  for (int64_t tile = start; tile < stop; tile += kTileNumel) {
+    const int64_t tile_stop = std::min(stop, tile + kTileNumel);
+    if (decay != 1.0f) {
+      for (int64_t k = tile; k < tile_stop; ++k) x[k - start] = x[k - start] * decay;
+    }
+    for (int64_t j = 0; j < num_terms; ++j) {
+      const float coeff = coeffs[j];
+      for_each_tile(static_cast<uint64_t>(seeds[j]), index, tile, tile_stop, gaussian,
+                    [&](int64_t tile_start, const float* noise, int64_t b, int64_t e) {
+                      for (int64_t k = b; k < e; ++k) x[k - start] = x[k - start] + coeff * noise[k - tile_start];
+                    });
+    }
+  }
+}
+
+void check_vector(const at::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.device().is_cpu(), name, " must be on the CPU, got ", tensor.device());
+  TORCH_CHECK(tensor.scalar_type() == at::kFloat, name, " must be float32, got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.is_contiguous(), name, " must be contiguous");
+}
+
+// out <- noise elements [start, start + out.numel()) of parameter `index` for `seed`. Runs on the calling thread.
+void fill(at::Tensor out, int64_t seed, int64_t index, int64_t start, bool gaussian) {
+  check_vector(out, "out");
+  TORCH_CHECK(start >= 0, "start must be >= 0, got ", start);
+  fill_range(out.data_ptr<float>(), static_cast<uint64_t>(seed), static_cast<uint64_t>(index), start,
+             start + out.numel(), gaussian);
+}
+
+// tensors[t] <- decays[t] * tensors[t] + sum_j coeffs[t][j] * z(seeds[t][j], indices[t]), every tensor whole, in
+// one pass over memory split across torch's intra-op threads.
+void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices,
+           const std::vector<double>& decays, const std::vector<std::vector<int64_t>>& seeds,
+           const std::vector<std::vector<double>>& coeffs, bool gaussian) {
+  const size_t count = tensors.size();
+  TORCH_CHECK(indices.size() == count && decays.size() == count && seeds.size() == count && coeffs.size() == count,
+              "apply needs one index, decay, seed list and coefficient list per tensor");
+  std::vector<std::vector<float>> float_coeffs(count);
+  struct Item {
+    size_t tensor;
+    int64_t start, stop;
+  };
+  std::vector<Item> items;
+  for (size_t t = 0; t < count; ++t) {
+    check_vector(tensors[t], "every tensor");
+    TORCH_CHECK(seeds[t].size() == coeffs[t].size(), "tensor ", t, " has ", seeds[t].size(), " seeds but ",
+                coeffs[t].size(), " coefficients");
+    for (double c : coeffs[t]) float_coeffs[t].push_back(static_cast<float>(c));
+    for (int64_t start = 0; start < tensors[t].numel(); start += kGrainNumel) {
+      items.push_back({t, start, std::min(tensors[t].numel(), start + kGrainNumel)});
+    }
+  }
+  // Each thread takes the next item until none is left, so a thread that the OS pauses delays only its own item.
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < num_items; i = next++) {
+      const Item& item = items[i];
+      float* data = tensors[item.tensor].data_ptr<float>() + item.start;
+      apply_range(data, static_cast<uint64_t>(indices[item.tensor]), item.start, item.stop,
+                  static_cast<float>(decays[item.tensor]), seeds[item.tensor].data(),
+                  float_coeffs[item.tensor].data(), static_cast<int64_t>(seeds[item.tensor].size()), gaussian);
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Philox-4x32-10 + Box-Muller perturbation noise (hf_zo)";
+  m.def("fill", &fill, "Write noise elements [start, start + out.numel()) into out",
+        py::arg("out"), py::arg("seed"), py::arg("index"), py::arg("start"), py::arg("gaussian"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("apply", &apply, "tensors[t] <- decays[t] * tensors[t] + sum_j coeffs[t][j] * z(seeds[t][j], indices[t])",
+        py::arg("tensors"), py::arg("indices"), py::arg("decays"), py::arg("seeds"), py::arg("coeffs"),
+        py::arg("gaussian"), py::call_guard<py::gil_scoped_release>());
+}
