@@ -234,12 +234,14 @@ def test_version_1_trajectory_replays_with_the_torch_noise(tmp_path):
         copy.deepcopy(base), tmp_path / "run", max_steps=3, save_strategy="no", zo_noise_algorithm="torch"
     )
     data = (tmp_path / "run" / TRAJECTORY_NAME).read_bytes()
-    magic, _, header_size, body_size = struct.unpack_from("<8sIIQ", data)
-    header = json.loads(data[24 : 24 + header_size])
+    magic, _, header_size, body_size, tensor_size = struct.unpack_from("<8sIIQQ", data)
+    assert tensor_size == 0  # a model built in code: nothing is stored besides the steps
+    header = json.loads(data[32 : 32 + header_size])
     del header["optimizer"]["noise"]["algorithm"]
     header["format_version"] = 1
     header_bytes = json.dumps(header).encode()
-    old = struct.pack("<8sIIQ", magic, 1, len(header_bytes), body_size) + header_bytes + data[24 + header_size : -32]
+    body = data[32 + header_size : 32 + header_size + body_size]
+    old = struct.pack("<8sIIQ", magic, 1, len(header_bytes), body_size) + header_bytes + body
     (tmp_path / "old.bin").write_bytes(old + hashlib.sha256(old).digest())
 
     trajectory = ZOTrajectory.load(tmp_path / "old.bin")
