@@ -35,14 +35,13 @@ from datasets import DatasetDict, load_dataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
     HfArgumentParser,
 )
 
-from hf_zo import ZOConfig, ZOTrainer
+from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
 
 # ---------------------------------------------------------------------- tasks
@@ -308,18 +307,23 @@ def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
     return "prompt_classification" if causal else "classification"
 
 
-def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
+def build_peft_config(model_args: ModelArguments, task_type: str, model):
     """The PEFT config of `--peft` (a classifier's head goes to `modules_to_save`, trained with the adapter)."""
     from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     peft_task = TaskType.SEQ_CLS if task_type == "classification" else TaskType.CAUSAL_LM
     if model_args.peft == "lora":
+        target_modules = model_args.lora_target_modules
+        if target_modules is None and isinstance(model.config, PooledEncoderConfig):
+            # PEFT picks LoRA's targets by model type; a pooled encoder's are those of its encoder.
+            target_modules = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.encoder.model_type)
         return LoraConfig(
             task_type=peft_task,
             r=model_args.lora_r,
             lora_alpha=model_args.lora_alpha,
             lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
+            target_modules=target_modules,
         )
     if model_args.peft == "prefix":
         return PrefixTuningConfig(task_type=peft_task, num_virtual_tokens=model_args.num_virtual_tokens)
@@ -334,11 +338,10 @@ def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
 
 
 def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer):
+    """The model of the task; a sentence-transformers checkpoint's classifier uses the checkpoint's pooling."""
     dtype = getattr(torch, model_args.torch_dtype)
     if task_type == "classification":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, num_labels=num_labels, dtype=dtype
-        )
+        model = load_sequence_classifier(model_args.model_name_or_path, num_labels=num_labels, dtype=dtype)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
@@ -346,7 +349,7 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
     if model_args.peft:
         from peft import get_peft_model
 
-        model = get_peft_model(model, build_peft_config(model_args, task_type, tokenizer))
+        model = get_peft_model(model, build_peft_config(model_args, task_type, model))
     return model
 
 

@@ -5,6 +5,11 @@ from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
 from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 from .parallel import DistZOPlugin
+from .pooled_classifier import (
+    PooledEncoderConfig,
+    PooledEncoderForSequenceClassification,
+    load_sequence_classifier,
+)
 from .trainer import ZOTrainer
 from .trajectory import (
     TRAJECTORY_NAME,
@@ -29,6 +34,9 @@ __all__ = [
     "push_trajectory_to_hub",
     "replay",
     "DistZOPlugin",
+    "PooledEncoderConfig",
+    "PooledEncoderForSequenceClassification",
+    "load_sequence_classifier",
     "LazyParameters",
     "Noise",
     "NoiseUpdate",
