@@ -3,7 +3,7 @@
 from .config import ZOConfig
 from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
-from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 from .parallel import DistZOPlugin
 from .pooled_classifier import (
     PooledEncoderConfig,
@@ -38,6 +38,7 @@ __all__ = [
     "PooledEncoderForSequenceClassification",
     "load_sequence_classifier",
     "LazyParameters",
+    "LOZO",
     "Noise",
     "NoiseUpdate",
     "SPSAEstimator",
