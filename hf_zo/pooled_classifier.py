@@ -28,6 +28,7 @@ from transformers.utils import cached_file
 
 __all__ = [
     "POOLING_MODES",
+    "pooling_mismatch",
     "PooledEncoderConfig",
     "PooledEncoderForSequenceClassification",
     "load_sequence_classifier",
@@ -279,6 +280,29 @@ def read_pooling_config(name_or_path: str | os.PathLike, **hub_kwargs) -> dict |
     modes = [mode for flag, mode in flags.items() if config.get(flag)]
     normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
     return {"pooling_modes": modes, "normalize": normalize}
+
+
+def pooling_mismatch(model: nn.Module) -> str | None:
+    """Why `model`'s head does not see the features its checkpoint was trained for, or `None` if it does.
+
+    True of a `*ForSequenceClassification` loaded with `AutoModelForSequenceClassification` from a
+    sentence-transformers checkpoint (looked up locally only: `config.name_or_path`'s pooling config).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = getattr(getattr(base, "config", None), "name_or_path", "")
+    if isinstance(base, PooledEncoderForSequenceClassification) or not path or not os.path.isdir(path):
+        return None
+    try:
+        pooling = read_pooling_config(path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    if pooling is None or not type(base).__name__.endswith("ForSequenceClassification"):
+        return None
+    return (
+        f"{path} is a sentence-transformers checkpoint trained with {pooling['pooling_modes']} pooling, but the head "
+        f"of {type(base).__name__} reads the encoder's own pooler, which that checkpoint never trained. Load it with "
+        "hf_zo.load_sequence_classifier(path, num_labels=...) so that the head sees the pooled embedding."
+    )
 
 
 def load_sequence_classifier(name_or_path: str | os.PathLike, **kwargs) -> PreTrainedModel:

@@ -124,3 +124,14 @@ def test_unknown_pooling_mode_fails_at_construction():
 
     with pytest.raises(ValueError, match="Unknown pooling_mode 'sum'"):
         PooledEncoderConfig(pooling_mode="sum")
+
+
+def test_a_head_on_the_untrained_pooler_is_reported(tmp_path):
+    from hf_zo.pooled_classifier import pooling_mismatch
+
+    save_tiny_sentence_encoder(tmp_path)
+    on_pooler = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+    message = pooling_mismatch(get_peft_model(on_pooler, LoraConfig(task_type=TaskType.SEQ_CLS, r=2)))
+    assert message is not None and "['mean'] pooling" in message and "load_sequence_classifier" in message
+    assert pooling_mismatch(load_sequence_classifier(tmp_path, num_labels=2)) is None
+    assert pooling_mismatch(tiny_bert_classifier()) is None  # built in code: no checkpoint to compare with
