@@ -2,7 +2,8 @@
 """Zeroth-order fine-tuning with `ZOTrainer`: causal LM, sequence classification, or MeZO-style prompt-based
 classification, on a hub dataset or local CSV/TSV/JSON files, with full fine-tuning or PEFT.
 
-Sequence classification of SST-2 from local files with LoRA (the head is linear-probed, then trained first-order)::
+Sequence classification of SST-2 from local files with LoRA (a sentence-transformers checkpoint's head reads its
+mean-pooled embedding; the head is linear-probed, then trained first-order)::
 
     python examples/train.py --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --task_name sst2 \
         --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
