@@ -13,12 +13,13 @@ HEADER = """# API reference
 
 Every public object of hf_zo, by module, with its signature and what it is for. The objects re-exported by
 `import hf_zo` are: `ZOConfig`, `ZOTrainer`, the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
-`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `ZO_OPTIMIZERS`), the estimator (`ZORecord`, `LazyParameters`,
-`SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`, `restore_and_update_`) and the trajectory API
-(`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`, `replay`, `push_trajectory_to_hub`,
-`TRAJECTORY_NAME`, `TrajectoryFormatError`, `TrajectoryMismatchError`). Everything else is imported from its
-module (`from hf_zo.heads import fit_linear_probe`). Signatures and summaries are taken from the code; the
-docstrings (`help(obj)`) have the full argument lists.
+`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder classifier
+(`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the estimator
+(`ZORecord`, `LazyParameters`, `SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`,
+`restore_and_update_`) and the trajectory API (`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`,
+`replay`, `push_trajectory_to_hub`, `TRAJECTORY_NAME`, `TrajectoryFormatError`, `TrajectoryMismatchError`).
+Everything else is imported from its module (`from hf_zo.heads import fit_linear_probe`). Signatures and summaries
+are taken from the code; the docstrings (`help(obj)`) have the full argument lists.
 
 The command line: `hf-zo replay BASE TRAJECTORY OUT` and `hf-zo inspect TRAJECTORY` (module `hf_zo.cli`, see
 [trajectories](trajectory.md)); `python -m hf_zo.demo` is `make demo`; `examples/train.py` is described in
@@ -53,6 +54,7 @@ SECTIONS = [
     ),
     ("Noise kernel (Philox-4x32-10 + Box-Muller)", "hf_zo.philox", None),
     ("Classification heads", "hf_zo.heads", None),
+    ("Sentence-encoder classifiers", "hf_zo.pooled_classifier", None),
     ("Metrics", "hf_zo.metrics", None),
     ("Execution engines", "hf_zo.engine", None),
     ("Offload", "hf_zo.offload", None),

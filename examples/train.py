@@ -2,7 +2,8 @@
 """Zeroth-order fine-tuning with `ZOTrainer`: causal LM, sequence classification, or MeZO-style prompt-based
 classification, on a hub dataset or local CSV/TSV/JSON files, with full fine-tuning or PEFT.
 
-Sequence classification of SST-2 from local files with LoRA (the head is linear-probed, then trained first-order)::
+Sequence classification of SST-2 from local files with LoRA (a sentence-transformers checkpoint's head reads its
+mean-pooled embedding; the head is linear-probed, then trained first-order)::
 
     python examples/train.py --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 --task_name sst2 \
         --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
@@ -36,7 +37,6 @@ from datasets import DatasetDict, load_dataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     DataCollatorWithPadding,
@@ -44,7 +44,7 @@ from transformers import (
     set_seed,
 )
 
-from hf_zo import ZOConfig, ZOTrainer
+from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
 
 # ---------------------------------------------------------------------- tasks
@@ -310,18 +310,23 @@ def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
     return "prompt_classification" if causal else "classification"
 
 
-def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
+def build_peft_config(model_args: ModelArguments, task_type: str, model):
     """The PEFT config of `--peft` (a classifier's head goes to `modules_to_save`, trained with the adapter)."""
     from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     peft_task = TaskType.SEQ_CLS if task_type == "classification" else TaskType.CAUSAL_LM
     if model_args.peft == "lora":
+        target_modules = model_args.lora_target_modules
+        if target_modules is None and isinstance(model.config, PooledEncoderConfig):
+            # PEFT picks LoRA's targets by model type; a pooled encoder's are those of its encoder.
+            target_modules = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.encoder.model_type)
         return LoraConfig(
             task_type=peft_task,
             r=model_args.lora_r,
             lora_alpha=model_args.lora_alpha,
             lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
+            target_modules=target_modules,
         )
     if model_args.peft == "prefix":
         return PrefixTuningConfig(task_type=peft_task, num_virtual_tokens=model_args.num_virtual_tokens)
@@ -336,8 +341,8 @@ def build_peft_config(model_args: ModelArguments, task_type: str, tokenizer):
 
 
 def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer, trainable: bool = True):
-    """The model of the task. A folder saved with `--peft` (an adapter) loads onto the base model it names, and is
-    trainable only if `trainable`."""
+    """The model of the task; a sentence-transformers checkpoint's classifier uses the checkpoint's pooling. A folder
+    saved with `--peft` (an adapter) loads onto the base model it names, and is trainable only if `trainable`."""
     adapter_path = model_args.model_name_or_path
     if os.path.isfile(os.path.join(adapter_path, "adapter_config.json")):
         from peft import PeftConfig, PeftModel
@@ -349,9 +354,7 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=trainable)
     dtype = getattr(torch, model_args.torch_dtype)
     if task_type == "classification":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, num_labels=num_labels, dtype=dtype
-        )
+        model = load_sequence_classifier(model_args.model_name_or_path, num_labels=num_labels, dtype=dtype)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
@@ -359,7 +362,7 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
     if model_args.peft:
         from peft import get_peft_model
 
-        model = get_peft_model(model, build_peft_config(model_args, task_type, tokenizer))
+        model = get_peft_model(model, build_peft_config(model_args, task_type, model))
     return model
 
 

@@ -3,8 +3,13 @@
 from .config import ZOConfig
 from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
-from .optim import ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 from .parallel import DistZOPlugin
+from .pooled_classifier import (
+    PooledEncoderConfig,
+    PooledEncoderForSequenceClassification,
+    load_sequence_classifier,
+)
 from .trainer import ZOTrainer
 from .trajectory import (
     TRAJECTORY_NAME,
@@ -29,7 +34,11 @@ __all__ = [
     "push_trajectory_to_hub",
     "replay",
     "DistZOPlugin",
+    "PooledEncoderConfig",
+    "PooledEncoderForSequenceClassification",
+    "load_sequence_classifier",
     "LazyParameters",
+    "LOZO",
     "Noise",
     "NoiseUpdate",
     "SPSAEstimator",

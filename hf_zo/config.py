@@ -49,11 +49,16 @@ class ZOConfig(TrainingArguments):
     Parameters that control the update:
 
         zo_optimizer (`str`, *optional*, defaults to `"zo_sgd"`):
-            One of `"zo_sgd"` (MeZO), `"zo_sgd_momentum"`, `"zo_sgd_sign"`, `"zo_sgd_cons"` (conservative) or
-            `"zo_adam"`. Learning rate, weight decay (not applied to biases and norm weights), `adam_beta1`,
-            `adam_beta2` and `adam_epsilon` come from the usual `TrainingArguments` fields.
+            One of `"zo_sgd"` (MeZO), `"zo_sgd_momentum"`, `"zo_sgd_sign"`, `"zo_sgd_cons"` (conservative),
+            `"zo_adam"` or `"lozo"` (MeZO's update with low-rank perturbations). Learning rate, weight decay (not
+            applied to biases and norm weights), `adam_beta1`, `adam_beta2` and `adam_epsilon` come from the usual
+            `TrainingArguments` fields.
         zo_momentum (`float`, *optional*, defaults to `0.9`):
             Momentum of `"zo_sgd_momentum"`.
+        zo_lozo_rank (`int`, *optional*, defaults to `2`):
+            Rank of each weight matrix's perturbation with `"lozo"` (low-rank ZO, arXiv 2410.07698).
+        zo_lozo_subspace_steps (`int`, *optional*, defaults to `50`):
+            Optimizer steps that share the right factor of `"lozo"`'s perturbations (LOZO's lazy sampling period).
         zo_max_consecutive_skips (`int`, *optional*, defaults to `10`):
             Estimates with a non-finite loss are skipped (parameters restored, warning logged); after this many in a
             row training stops with an error naming the step.
@@ -149,6 +154,10 @@ class ZOConfig(TrainingArguments):
     zo_seed: int | None = field(default=None, metadata={"help": "Base seed of the perturbations (default: seed)."})
     zo_optimizer: str = field(default="zo_sgd", metadata={"help": "ZO optimizer.", "choices": list(ZO_OPTIMIZERS)})
     zo_momentum: float = field(default=0.9, metadata={"help": "Momentum of zo_sgd_momentum."})
+    zo_lozo_rank: int = field(default=2, metadata={"help": "Rank of lozo's matrix perturbations."})
+    zo_lozo_subspace_steps: int = field(
+        default=50, metadata={"help": "Steps sharing lozo's right factor (lazy subspace)."}
+    )
     zo_max_consecutive_skips: int = field(
         default=10, metadata={"help": "Stop after this many consecutive non-finite losses."}
     )
@@ -258,6 +267,15 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
         if not 0.0 <= self.zo_momentum < 1.0:
             raise ValueError(f"zo_momentum must be in [0, 1), got {self.zo_momentum!r}.")
+        if not isinstance(self.zo_lozo_rank, int) or self.zo_lozo_rank < 1:
+            raise ValueError(f"zo_lozo_rank must be an integer >= 1, got {self.zo_lozo_rank!r}.")
+        if not isinstance(self.zo_lozo_subspace_steps, int) or self.zo_lozo_subspace_steps < 1:
+            raise ValueError(f"zo_lozo_subspace_steps must be an integer >= 1, got {self.zo_lozo_subspace_steps!r}.")
+        if self.zo_optimizer == "lozo" and self.zo_noise == "table":
+            raise ValueError(
+                "zo_optimizer='lozo' draws low-rank factors per weight matrix and cannot use zo_noise='table'; set "
+                "zo_noise='gaussian' (the default) or 'rademacher'."
+            )
         if self.zo_head_init not in HEAD_INIT_CHOICES:
             raise ValueError(f"Unknown zo_head_init {self.zo_head_init!r}; choose one of {list(HEAD_INIT_CHOICES)}.")
         if self.zo_head_training not in HEAD_TRAINING_CHOICES:

@@ -25,6 +25,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from .pooled_classifier import pooling_mismatch
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -418,6 +420,8 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     if head_init == "none" and head_training == "zeroth_order":
         return ZOHeads()
     heads = find_head_modules(model, args.zo_head_modules)
+    if (mismatch := pooling_mismatch(model)) is not None:
+        logger.warning(mismatch)
     if head_init == "linear_probe" and not resume_from_checkpoint:
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")

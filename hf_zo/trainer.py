@@ -395,6 +395,9 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
     elif args.zo_optimizer == "zo_adam":
         kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
         kwargs["adam_eps"] = args.adam_epsilon
+    elif args.zo_optimizer == "lozo":
+        kwargs["rank"] = args.zo_lozo_rank
+        kwargs["subspace_steps"] = args.zo_lozo_subspace_steps
     return cls(param_groups, **kwargs)
 
 

@@ -29,6 +29,7 @@ STEPS = 4
 DUAL = dict(zo_engine="dual")
 DISK = dict(zo_engine="dual", zo_offload="disk")
 SLICED = dict(DISK, zo_offload_sliced_upload=True)
+LOZO = dict(zo_optimizer="lozo", zo_lozo_subspace_steps=2)  # the subspace changes within the run
 WRITES: list[str] = []
 
 
@@ -178,6 +179,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["verified"] = train(out, "verified", tiny_causal_lm("opt"), zo_verify_replicas_steps=1)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        runs["lozo"] = train(out, "lozo", tiny_causal_lm("opt"), **LOZO)
         runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
         runs["lora_dual"] = train(out, "lora_dual", lora(tiny_causal_lm("llama")), **DUAL)
         runs["lora_disk"] = train(out, "lora_disk", lora(tiny_causal_lm("llama")), **DISK)
@@ -191,6 +193,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
         runs["full_q2"] = train(out, "full_q2", tiny_causal_lm("opt"), zo_num_perturbations=2)
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
+        runs["lozo_accumulate2"] = train(out, "lozo_acc", tiny_causal_lm("opt"), accumulation=2, **LOZO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
     elif scenario == "diverge":
         diverge = [DivergeAtStep(2)] if rank == 1 else None

@@ -105,7 +105,9 @@ def test_perturbation_parallel_equals_one_process_doing_both_forwards(pertp2, re
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run, reference_run", [("full", "full_accumulate2"), ("lora", "lora_accumulate2")])
+@pytest.mark.parametrize(
+    "run, reference_run", [("full", "full_accumulate2"), ("lora", "lora_accumulate2"), ("lozo", "lozo_accumulate2")]
+)
 def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, reference_run):
     # DP rank r's m-th micro-batch is global micro-batch 2m + r with perturbation index 2m + r: the same seeds,
     # batches and record order as one process accumulating 2 micro-batches, so no tolerance is needed.

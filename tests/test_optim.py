@@ -12,6 +12,7 @@ HYPER = {
     "zo_sgd_sign": dict(lr=0.01),
     "zo_sgd_cons": dict(lr=0.02),
     "zo_adam": dict(lr=0.05),
+    "lozo": dict(lr=0.02),
 }
 
 

@@ -102,3 +102,37 @@ def classification_dataset(num_examples: int = 16, length: int = 8, seed: int = 
         ids = torch.randint(2, VOCAB, (length,), generator=generator).tolist()
         rows.append({"input_ids": ids, "attention_mask": [1] * length, "label": int(ids[0] < VOCAB // 2)})
     return Dataset.from_list(rows)
+
+
+def save_tiny_sentence_encoder(path, pooling: str = "mean", normalize: bool = False, seed: int = 0) -> None:
+    """Save a 2-layer BERT encoder at `path` as sentence-transformers does: the encoder, `modules.json` and
+    `1_Pooling/config.json` with the given pooling flag (a `2_Normalize` module when `normalize`)."""
+    import json
+    import os
+
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(config).save_pretrained(path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+    flags = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens"}
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "modules.json"), "w") as file:
+        json.dump(modules, file)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as file:
+        json.dump({"word_embedding_dimension": 32, **{flag: mode == pooling for mode, flag in flags.items()}}, file)

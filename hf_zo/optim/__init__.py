@@ -2,6 +2,7 @@
 
 from .adam import ZOAdam
 from .base import ZOOptimizer
+from .lozo import LOZO, LowRankNoise
 from .sgd import ZOSGD, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 
 ZO_OPTIMIZERS: dict[str, type[ZOOptimizer]] = {
@@ -10,10 +11,13 @@ ZO_OPTIMIZERS: dict[str, type[ZOOptimizer]] = {
     "zo_sgd_sign": ZOSGDSign,
     "zo_sgd_cons": ZOSGDConservative,
     "zo_adam": ZOAdam,
+    "lozo": LOZO,
 }
 """The optimizers selectable by name (`ZOConfig.zo_optimizer`)."""
 
 __all__ = [
+    "LOZO",
+    "LowRankNoise",
     "ZO_OPTIMIZERS",
     "ZOAdam",
     "ZOOptimizer",

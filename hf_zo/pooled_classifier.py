@@ -1,0 +1,330 @@
+"""A sequence classifier on the pooled sentence embedding its checkpoint was trained to produce.
+
+Sentence-transformers checkpoints (all-MiniLM-L6-v2, all-mpnet-base-v2, e5, bge, ...) are trained to give sentence
+embeddings through a pooling step (mean, CLS or max over the tokens, described by `modules.json` and
+`1_Pooling/config.json`), not through the encoder's own pooler. `AutoModelForSequenceClassification` puts its head on
+that pooler (for BERT: a dense + tanh over the CLS token), which such a checkpoint never trained, so the head starts
+from features the body was not trained to give. :class:`PooledEncoderForSequenceClassification` is the same encoder
+with the checkpoint's pooling and a linear head; :func:`load_sequence_classifier` picks it whenever the checkpoint
+has a pooling config, and `AutoModelForSequenceClassification` otherwise.
+
+The model is a composite `PreTrainedModel` (the pattern of transformers' `EncoderDecoderModel`): its config nests
+the encoder's config, so any encoder that `AutoModel` loads works unchanged, and `save_pretrained`,
+`from_pretrained` (also through `AutoModelForSequenceClassification` once `hf_zo` is imported) and `push_to_hub`
+round-trip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedConfig, PreTrainedModel
+from transformers.configuration_utils import SubConfigSpec
+from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers.utils import cached_file
+
+__all__ = [
+    "POOLING_MODES",
+    "pooling_mismatch",
+    "PooledEncoderConfig",
+    "PooledEncoderForSequenceClassification",
+    "load_sequence_classifier",
+    "pool",
+    "read_pooling_config",
+]
+
+POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len")
+"""Pooling modes: the sentence-transformers `pooling_mode_*_tokens` flags, one at a time."""
+
+_SENTENCE_TRANSFORMERS_FLAGS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+}
+
+
+class PooledEncoderConfig(PreTrainedConfig):
+    r"""Configuration of :class:`PooledEncoderForSequenceClassification`.
+
+    Args:
+        encoder (`PreTrainedConfig` or `dict`, *optional*): the encoder's configuration (any `AutoModel` type).
+        pooling_mode (`str`, *optional*, defaults to `"mean"`): one of `POOLING_MODES`, over the non-padding tokens.
+        normalize (`bool`, *optional*, defaults to `False`): L2-normalise the pooled embedding (sentence-transformers'
+            `Normalize` module).
+        classifier_dropout (`float`, *optional*, defaults to `0.0`): dropout before the linear head.
+        **kwargs: the `PreTrainedConfig` fields (`num_labels`, `id2label`, `problem_type`, ...).
+    """
+
+    model_type = "hf_zo_pooled_encoder"
+    sub_configs_defaults = {"encoder": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+
+    encoder: PreTrainedConfig | dict | None = None
+    pooling_mode: str = "mean"
+    normalize: bool = False
+    classifier_dropout: float = 0.0
+
+    def __post_init__(self, **kwargs):
+        if self.pooling_mode not in POOLING_MODES:
+            raise ValueError(f"Unknown pooling_mode {self.pooling_mode!r}; choose one of {list(POOLING_MODES)}.")
+        super().__post_init__(**kwargs)
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """Pool token states `(batch, tokens, hidden)` into `(batch, hidden)` over the tokens where `attention_mask` is 1.
+
+    Same arithmetic as sentence-transformers' `Pooling` module for the mode.
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+    if mode == "cls":
+        return hidden[:, 0]
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "max":
+        return hidden.masked_fill(mask == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+    counts = mask.sum(dim=1).clamp_min(1e-9)
+    summed = (hidden * mask).sum(dim=1)
+    return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
+
+
+class PooledEncoderForSequenceClassification(PreTrainedModel):
+    """An `AutoModel` encoder, the pooling of `config.pooling_mode` over its last hidden states, and a linear head.
+
+    Build it from a sentence-transformers checkpoint with :meth:`from_encoder` (or :func:`load_sequence_classifier`);
+    a saved one loads with `from_pretrained`. The head is named `classifier`, so PEFT's sequence-classification
+    task keeps it in `modules_to_save` and `ZOTrainer`'s head options find it.
+
+    Args:
+        config (`PooledEncoderConfig`): the configuration.
+        encoder (`PreTrainedModel`, *optional*): an encoder to use instead of a new one built from `config.encoder`.
+    """
+
+    config_class = PooledEncoderConfig
+    base_model_prefix = "encoder"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+
+    def __init__(self, config: PooledEncoderConfig, encoder: PreTrainedModel | None = None):
+        super().__init__(config)
+        self.encoder = encoder if encoder is not None else AutoModel.from_config(config.encoder)
+        _drop_unused_pooler(self.encoder)
+        self._no_split_modules = getattr(self.encoder, "_no_split_modules", None)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.encoder.hidden_size, config.num_labels)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if module is self.classifier:
+            nn.init.normal_(module.weight, std=getattr(self.config.encoder, "initializer_range", 0.02))
+            nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_encoder(
+        cls,
+        name_or_path: str | os.PathLike,
+        pooling_mode: str | None = None,
+        normalize: bool | None = None,
+        classifier_dropout: float = 0.0,
+        **kwargs,
+    ) -> PooledEncoderForSequenceClassification:
+        """Load the encoder of a checkpoint and put a new linear head on its pooled output.
+
+        Args:
+            name_or_path (`str` or `os.PathLike`): Hub id or local folder of the encoder checkpoint.
+            pooling_mode (`str`, *optional*): overrides the checkpoint's pooling config (one of `POOLING_MODES`).
+                Required when the checkpoint has none.
+            normalize (`bool`, *optional*): overrides whether the checkpoint normalises its embeddings.
+            classifier_dropout (`float`, defaults to 0.0): dropout before the head.
+            **kwargs: `num_labels`, `id2label`, `label2id`, `problem_type` go to the config; the rest (`dtype`,
+                `revision`, `token`, ...) to `AutoModel.from_pretrained`.
+
+        Returns:
+            `PooledEncoderForSequenceClassification`: the pretrained encoder with a newly initialised head.
+        """
+        label_keys = ("num_labels", "id2label", "label2id", "problem_type")
+        label_kwargs = {k: kwargs.pop(k) for k in label_keys if k in kwargs}
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+        checkpoint = read_pooling_config(name_or_path, **hub_kwargs) or {"pooling_modes": [], "normalize": False}
+        if pooling_mode is None:
+            if len(checkpoint["pooling_modes"]) != 1:
+                raise ValueError(
+                    f"{name_or_path} pools with {checkpoint['pooling_modes']}; PooledEncoderForSequenceClassification "
+                    f"uses exactly one of {list(POOLING_MODES)}: pass pooling_mode to choose it (or load a checkpoint "
+                    "without a sentence-transformers pooling config with AutoModelForSequenceClassification)."
+                )
+            pooling_mode = checkpoint["pooling_modes"][0]
+        encoder = AutoModel.from_pretrained(name_or_path, **kwargs)
+        config = PooledEncoderConfig(
+            encoder=encoder.config,
+            pooling_mode=pooling_mode,
+            normalize=checkpoint["normalize"] if normalize is None else normalize,
+            classifier_dropout=classifier_dropout,
+            pad_token_id=encoder.config.pad_token_id,
+            # The composite config sets its attention implementation on its sub-configs: keep the encoder's.
+            attn_implementation=encoder.config._attn_implementation,
+            **label_kwargs,
+        )
+        config.name_or_path = str(name_or_path)
+        return cls(config, encoder=encoder).to(encoder.dtype).eval()  # eval, as `from_pretrained` returns models
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.encoder.get_input_embeddings()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        """Encode, pool, classify; with `labels`, the loss of `config.problem_type` (as BERT's classifiers).
+
+        Returns:
+            `SequenceClassifierOutput`: `loss` (with labels), `logits`, and the encoder's `hidden_states` and
+            `attentions` when asked for.
+        """
+        inputs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+        )
+        # Encoders differ in which of these they accept (no token types in RoBERTa-style models): pass those given.
+        outputs = self.encoder(**{k: v for k, v in inputs.items() if v is not None}, **kwargs)
+        hidden = outputs[0]
+        if attention_mask is not None and attention_mask.shape[1] != hidden.shape[1]:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} tokens but the encoder returned {hidden.shape[1]}."
+            )
+        pooled = pool(hidden, attention_mask, self.config.pooling_mode)
+        if self.config.normalize:
+            pooled = nn.functional.normalize(pooled, p=2, dim=-1)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None if labels is None else self._loss(logits, labels)
+        return SequenceClassifierOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        problem = self.config.problem_type
+        if problem is None:
+            integral = labels.dtype in (torch.long, torch.int)
+            problem = "regression" if self.config.num_labels == 1 else "single_label_classification"
+            problem = "multi_label_classification" if problem != "regression" and not integral else problem
+            self.config.problem_type = problem
+        if problem == "regression":
+            return nn.functional.mse_loss(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
+        if problem == "single_label_classification":
+            return nn.functional.cross_entropy(logits.view(-1, self.config.num_labels), labels.view(-1))
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+def _drop_unused_pooler(encoder: nn.Module) -> None:
+    """Remove the encoder's own pooler (BERT-style models skip it when it is `None`): the head reads the pooled
+    token states instead, and an unused pooler would only add parameters that training perturbs for nothing."""
+    if isinstance(getattr(encoder, "pooler", None), nn.Module):
+        encoder.pooler = None
+
+
+def read_pooling_config(name_or_path: str | os.PathLike, **hub_kwargs) -> dict | None:
+    """The pooling of a sentence-transformers checkpoint, from its `modules.json` and pooling module config.
+
+    Args:
+        name_or_path (`str` or `os.PathLike`): Hub id or local folder.
+        **hub_kwargs: `revision`, `token`, `cache_dir`, `local_files_only`, as for `cached_file`.
+
+    Returns:
+        `dict` or `None`: ``{"pooling_modes": list[str], "normalize": bool}`` (the modes whose flag is set, in
+        sentence-transformers' flag names without `pooling_mode_` and `_tokens`), or `None` when the checkpoint is
+        not a sentence-transformers one (no `modules.json` or no `Pooling` module in it).
+    """
+
+    def read_json(filename: str):
+        path = cached_file(
+            str(name_or_path),
+            filename,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **hub_kwargs,
+        )
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+
+    modules = read_json("modules.json")
+    if not modules:
+        return None
+    pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+    if pooling is None:
+        return None
+    config = read_json(f"{pooling['path']}/config.json" if pooling.get("path") else "config.json")
+    if config is None:
+        return None
+    flags = {**_SENTENCE_TRANSFORMERS_FLAGS, "pooling_mode_weightedmean_tokens": "weightedmean"}
+    flags["pooling_mode_lasttoken"] = "lasttoken"
+    modes = [mode for flag, mode in flags.items() if config.get(flag)]
+    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+    return {"pooling_modes": modes, "normalize": normalize}
+
+
+def pooling_mismatch(model: nn.Module) -> str | None:
+    """Why `model`'s head does not see the features its checkpoint was trained for, or `None` if it does.
+
+    True of a `*ForSequenceClassification` loaded with `AutoModelForSequenceClassification` from a
+    sentence-transformers checkpoint (looked up locally only: `config.name_or_path`'s pooling config).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    path = getattr(getattr(base, "config", None), "name_or_path", "")
+    if isinstance(base, PooledEncoderForSequenceClassification) or not path or not os.path.isdir(path):
+        return None
+    try:
+        pooling = read_pooling_config(path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    if pooling is None or not type(base).__name__.endswith("ForSequenceClassification"):
+        return None
+    return (
+        f"{path} is a sentence-transformers checkpoint trained with {pooling['pooling_modes']} pooling, but the head "
+        f"of {type(base).__name__} reads the encoder's own pooler, which that checkpoint never trained. Load it with "
+        "hf_zo.load_sequence_classifier(path, num_labels=...) so that the head sees the pooled embedding."
+    )
+
+
+def load_sequence_classifier(name_or_path: str | os.PathLike, **kwargs) -> PreTrainedModel:
+    """Load a sequence classifier whose head sees the features its checkpoint was trained for.
+
+    A sentence-transformers checkpoint (one with a pooling config) gives a
+    :class:`PooledEncoderForSequenceClassification` with the checkpoint's pooling; any other checkpoint (including
+    a saved `PooledEncoderForSequenceClassification`) loads with `AutoModelForSequenceClassification`.
+
+    Args:
+        name_or_path (`str` or `os.PathLike`): Hub id or local folder.
+        **kwargs: `num_labels`, `dtype`, ... as for `from_pretrained`.
+
+    Returns:
+        `PreTrainedModel`: the classifier.
+    """
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    config = AutoConfig.from_pretrained(name_or_path, **hub_kwargs)
+    if not isinstance(config, PooledEncoderConfig) and read_pooling_config(name_or_path, **hub_kwargs) is not None:
+        return PooledEncoderForSequenceClassification.from_encoder(name_or_path, **kwargs)
+    return AutoModelForSequenceClassification.from_pretrained(name_or_path, **kwargs)
+
+
+AutoConfig.register(PooledEncoderConfig.model_type, PooledEncoderConfig)
+AutoModelForSequenceClassification.register(PooledEncoderConfig, PooledEncoderForSequenceClassification)

@@ -1,0 +1,137 @@
+"""A sentence-transformers checkpoint loads as a classifier over the pooling it was trained with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from transformers import AutoModel, AutoModelForSequenceClassification, BertForSequenceClassification
+
+from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier
+from hf_zo.pooled_classifier import read_pooling_config
+
+from tiny_models import classification_dataset, save_tiny_sentence_encoder, tiny_bert_classifier
+
+# Two sequences, the second padded: masked pooling must ignore its last three tokens.
+INPUT_IDS = torch.tensor([[2, 5, 9, 11, 7, 3], [2, 8, 6, 0, 0, 0]])
+ATTENTION_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+
+
+def hand_pooled(encoder_dir, mode: str) -> torch.Tensor:
+    hidden = AutoModel.from_pretrained(encoder_dir)(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK)[0]
+    rows = []
+    for states, mask in zip(hidden, ATTENTION_MASK):
+        kept = states[mask.bool()]
+        rows.append({"mean": kept.mean(0), "max": kept.max(0).values, "cls": states[0]}[mode])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("mode", ["mean", "max", "cls"])
+def test_logits_are_the_head_on_the_checkpoints_pooling(tmp_path, mode):
+    save_tiny_sentence_encoder(tmp_path, pooling=mode)
+    model = load_sequence_classifier(tmp_path, num_labels=3)
+    assert isinstance(model, PooledEncoderForSequenceClassification) and model.config.pooling_mode == mode
+    assert not model.training  # like from_pretrained
+    with torch.no_grad():
+        logits = model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits
+        expected = model.classifier(hand_pooled(tmp_path, mode))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_normalize_module_normalizes_the_embedding(tmp_path):
+    save_tiny_sentence_encoder(tmp_path, normalize=True)
+    assert read_pooling_config(tmp_path) == {"pooling_modes": ["mean"], "normalize": True}
+    model = load_sequence_classifier(tmp_path, num_labels=2)
+    with torch.no_grad():
+        expected = model.classifier(torch.nn.functional.normalize(hand_pooled(tmp_path, "mean"), dim=-1))
+        logits = model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_save_and_auto_class_reload_are_exact(tmp_path):
+    save_tiny_sentence_encoder(tmp_path / "encoder")
+    model = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
+    assert not hasattr(model.encoder, "pooler") or model.encoder.pooler is None  # no untrained parameters left
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
+    assert type(reloaded) is PooledEncoderForSequenceClassification
+    assert reloaded.config.pooling_mode == "mean" and reloaded.config.encoder.hidden_size == 32
+    state, reloaded_state = model.state_dict(), reloaded.state_dict()
+    assert state.keys() == reloaded_state.keys()
+    assert all(torch.equal(state[k], reloaded_state[k]) for k in state)
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+    # A saved pooled classifier is not a sentence-transformers checkpoint any more: it loads as itself.
+    assert type(load_sequence_classifier(tmp_path / "saved")) is PooledEncoderForSequenceClassification
+
+
+def test_checkpoint_without_pooling_config_loads_with_the_auto_class(tmp_path):
+    tiny_bert_classifier().save_pretrained(tmp_path)
+    assert read_pooling_config(tmp_path) is None
+    assert type(load_sequence_classifier(tmp_path, num_labels=2)) is BertForSequenceClassification
+
+
+def test_several_pooling_modes_are_refused_with_the_fix(tmp_path):
+    save_tiny_sentence_encoder(tmp_path)
+    path = tmp_path / "1_Pooling" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | {"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match=r"pools with \['mean', 'max'\].*pass pooling_mode to choose it"):
+        load_sequence_classifier(tmp_path, num_labels=2)
+    model = PooledEncoderForSequenceClassification.from_encoder(tmp_path, pooling_mode="max", num_labels=2)
+    assert model.config.pooling_mode == "max"
+
+
+def test_lora_with_head_in_modules_to_save_trains_saves_and_reloads(tmp_path):
+    save_tiny_sentence_encoder(tmp_path / "encoder")
+    lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"])
+    model = get_peft_model(load_sequence_classifier(tmp_path / "encoder", num_labels=2), lora)
+    head_before = model.base_model.model.classifier.modules_to_save["default"].weight.detach().clone()
+    args = ZOConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        zo_eps=1e-2,
+        zo_head_init_max_samples=16,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    trainer.train()  # the default head options: linear probe on the pooled features, then a first-order head
+    assert trainer.zo_heads.names == ["base_model.model.classifier.modules_to_save.default"]
+    assert not torch.equal(model.base_model.model.classifier.modules_to_save["default"].weight, head_before)
+    trainer.save_model(str(tmp_path / "adapter"))
+    base = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+
+
+def test_unknown_pooling_mode_fails_at_construction():
+    from hf_zo import PooledEncoderConfig
+
+    with pytest.raises(ValueError, match="Unknown pooling_mode 'sum'"):
+        PooledEncoderConfig(pooling_mode="sum")
+
+
+def test_a_head_on_the_untrained_pooler_is_reported(tmp_path):
+    from hf_zo.pooled_classifier import pooling_mismatch
+
+    save_tiny_sentence_encoder(tmp_path)
+    on_pooler = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+    message = pooling_mismatch(get_peft_model(on_pooler, LoraConfig(task_type=TaskType.SEQ_CLS, r=2)))
+    assert message is not None and "['mean'] pooling" in message and "load_sequence_classifier" in message
+    assert pooling_mismatch(load_sequence_classifier(tmp_path, num_labels=2)) is None
+    assert pooling_mismatch(tiny_bert_classifier()) is None  # built in code: no checkpoint to compare with
