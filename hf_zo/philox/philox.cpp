@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -308,7 +309,7 @@ void fill(at::Tensor out, int64_t seed, int64_t index, int64_t start, bool gauss
 }
 
 // tensors[t] <- decays[t] * tensors[t] + sum_j coeffs[t][j] * z(seeds[t][j], indices[t]), every tensor whole, in
-// one pass over memory split across torch's intra-op threads.
+// one pass over memory split across torch.get_num_threads() threads.
 void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices,
            const std::vector<double>& decays, const std::vector<std::vector<int64_t>>& seeds,
            const std::vector<std::vector<double>>& coeffs, bool gaussian) {
@@ -331,17 +332,24 @@ void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& i
     }
   }
   // Each thread takes the next item until none is left, so a thread that the OS pauses delays only its own item.
+  // std::thread rather than at::parallel_for: its OpenMP pragmas would need this file built with torch's OpenMP.
+  std::vector<float*> data(count);
+  for (size_t t = 0; t < count; ++t) data[t] = tensors[t].data_ptr<float>();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  auto work = [&] {
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
-      float* data = tensors[item.tensor].data_ptr<float>() + item.start;
-      apply_range(data, static_cast<uint64_t>(indices[item.tensor]), item.start, item.stop,
+      apply_range(data[item.tensor] + item.start, static_cast<uint64_t>(indices[item.tensor]), item.start, item.stop,
                   static_cast<float>(decays[item.tensor]), seeds[item.tensor].data(),
                   float_coeffs[item.tensor].data(), static_cast<int64_t>(seeds[item.tensor].size()), gaussian);
     }
-  });
+  };
+  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(work);
+  work();
+  for (std::thread& helper : helpers) helper.join();
 }
 
 }  // namespace
