@@ -55,14 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
     from datasets import load_dataset
     from peft import LoraConfig, TaskType, get_peft_model
     from transformers import (
-        AutoModelForSequenceClassification,
         AutoTokenizer,
         HfArgumentParser,
         TrainerCallback,
         set_seed,
     )
 
-    from hf_zo import ZOConfig, ZOTrainer
+    from hf_zo import ZOConfig, ZOTrainer, load_sequence_classifier
 
     (demo,) = HfArgumentParser(DemoArguments).parse_args_into_dataclasses(args=argv)
     set_seed(demo.seed)
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = data.map(lambda batch: tokenizer(batch["sentence"], truncation=True, max_length=48), batched=True)
     data = data.remove_columns("sentence")
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=2)
+    model = load_sequence_classifier(model_path, num_labels=2)  # the head reads the checkpoint's mean pooling
     model = get_peft_model(
         model,
         LoraConfig(
