@@ -13,9 +13,14 @@ from hf_zo.philox import extension, load_kernel, philox4x32_10, philox_noise
 
 @pytest.fixture(scope="module")
 def kernel():
+    # `make install` builds the kernel, so its absence is a defect to see, not a reason to skip; the fallback without
+    # a compiler has its own tests (`no_kernel`).
     compiled = load_kernel()
     if compiled is None:
-        pytest.skip(f"the compiled noise kernel is unavailable: {extension.kernel_error()}")
+        pytest.fail(
+            f"the compiled noise kernel is unavailable: {extension.kernel_error()}; build it with "
+            "`python -m hf_zo.philox --build` (run by `make install`)."
+        )
     return compiled
 
 

@@ -63,19 +63,23 @@ def tiny_causal_lm(family: str = "opt", seed: int = 0) -> torch.nn.Module:
     raise ValueError(f"unknown family {family!r}")
 
 
-def tiny_bert_classifier(num_labels: int = 2, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer BERT sequence classifier with random weights."""
-    torch.manual_seed(seed)
-    config = BertConfig(
+def tiny_bert_config(**overrides) -> BertConfig:
+    """The configuration of the tiny 2-layer BERT shared by the encoder and classifier builders."""
+    return BertConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
         max_position_embeddings=64,
-        num_labels=num_labels,
+        **overrides,
     )
-    return BertForSequenceClassification(config)
+
+
+def tiny_bert_classifier(num_labels: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer BERT sequence classifier with random weights."""
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_bert_config(num_labels=num_labels))
 
 
 def lm_dataset(num_examples: int = 16, length: int = 16, seed: int = 0):
@@ -113,15 +117,7 @@ def save_tiny_sentence_encoder(path, pooling: str = "mean", normalize: bool = Fa
     from transformers import BertModel
 
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    BertModel(config).save_pretrained(path)
+    BertModel(tiny_bert_config()).save_pretrained(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
