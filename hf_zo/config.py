@@ -79,8 +79,9 @@ class ZOConfig(TrainingArguments):
             `modules_to_save`.
         zo_head_learning_rate (`float`, *optional*, defaults to `1e-3`):
             AdamW learning rate of the first-order head (constant).
-        zo_head_init_max_samples (`int`, *optional*, defaults to `4096`):
-            Training examples the linear probe is fitted on (one forward pass each).
+        zo_head_init_max_samples (`int`, *optional*, defaults to `16384`):
+            Training examples the linear probe is fitted on (one forward pass each; on SST-2, 16,384 examples fit a
+            probe 1.1 points better than 4,096 on held-out training sentences, see docs/accuracy.md).
 
     Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
 
@@ -170,7 +171,7 @@ class ZOConfig(TrainingArguments):
     zo_head_modules: list[str] | None = field(default=None, metadata={"help": "Names of the head modules."})
     zo_head_learning_rate: float = field(default=1e-3, metadata={"help": "AdamW lr of the first-order head."})
     zo_head_init_max_samples: int | None = field(
-        default=4096, metadata={"help": "Training examples the linear probe is fitted on."}
+        default=16384, metadata={"help": "Training examples the linear probe is fitted on."}
     )
     zo_perturbation_parallel_size: int = field(
         default=1, metadata={"help": "Processes per perturbation-parallel group (they share a batch)."}
