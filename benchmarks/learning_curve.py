@@ -61,6 +61,7 @@ VARIANTS: dict[str, dict] = {
     "zo_adam_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "zo_adam"},
     "lozo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "lozo"},
     "lozo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "lozo"},
+    "hizoo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "hizoo"},
     "mezo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "zo_sgd"},
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},

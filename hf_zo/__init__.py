@@ -3,7 +3,7 @@
 from .config import ZOConfig
 from .estimator import LazyParameters, SPSAEstimator, ZORecord
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
-from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, HiZOO, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 from .parallel import DistZOPlugin
 from .pooled_classifier import (
     PooledEncoderConfig,
@@ -37,6 +37,7 @@ __all__ = [
     "PooledEncoderConfig",
     "PooledEncoderForSequenceClassification",
     "load_sequence_classifier",
+    "HiZOO",
     "LazyParameters",
     "LOZO",
     "Noise",

@@ -50,8 +50,10 @@ class ZOConfig(TrainingArguments):
 
         zo_optimizer (`str`, *optional*, defaults to `"zo_sgd"`):
             One of `"zo_sgd"` (MeZO), `"zo_sgd_momentum"`, `"zo_sgd_sign"`, `"zo_sgd_cons"` (conservative),
-            `"zo_adam"` or `"lozo"` (MeZO's update with low-rank perturbations). Learning rate, weight decay (not
-            applied to biases and norm weights), `adam_beta1`, `adam_beta2` and `adam_epsilon` come from the usual
+            `"zo_adam"`, `"lozo"` (MeZO's update with low-rank perturbations) or `"hizoo"` (MeZO's update along
+            perturbations preconditioned by a diagonal curvature estimate; three forwards per estimate, needs
+            `zo_engine="sequential"` and `zo_perturbation_parallel_size=1`). Learning rate, weight decay (not applied
+            to biases and norm weights), `adam_beta1`, `adam_beta2` and `adam_epsilon` come from the usual
             `TrainingArguments` fields.
         zo_momentum (`float`, *optional*, defaults to `0.9`):
             Momentum of `"zo_sgd_momentum"`.
@@ -59,6 +61,9 @@ class ZOConfig(TrainingArguments):
             Rank of each weight matrix's perturbation with `"lozo"` (low-rank ZO, arXiv 2410.07698).
         zo_lozo_subspace_steps (`int`, *optional*, defaults to `50`):
             Optimizer steps that share the right factor of `"lozo"`'s perturbations (LOZO's lazy sampling period).
+        zo_hizoo_smooth (`float`, *optional*, defaults to `1e-6`):
+            Smoothing `alpha` in `[0, 1)` of `"hizoo"`'s curvature estimate `H` (HiZOO, arXiv 2402.15173): each step
+            `H <- H * (1 - alpha + alpha * mean_i(c_i z_i^2))`. 0 keeps `H = 1`.
         zo_max_consecutive_skips (`int`, *optional*, defaults to `10`):
             Estimates with a non-finite loss are skipped (parameters restored, warning logged); after this many in a
             row training stops with an error naming the step.
@@ -159,6 +164,7 @@ class ZOConfig(TrainingArguments):
     zo_lozo_subspace_steps: int = field(
         default=50, metadata={"help": "Steps sharing lozo's right factor (lazy subspace)."}
     )
+    zo_hizoo_smooth: float = field(default=1e-6, metadata={"help": "Smoothing alpha of hizoo's curvature estimate."})
     zo_max_consecutive_skips: int = field(
         default=10, metadata={"help": "Stop after this many consecutive non-finite losses."}
     )
@@ -304,6 +310,31 @@ class ZOConfig(TrainingArguments):
         if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
+            )
+        self._validate_hizoo_arguments()
+
+    def _validate_hizoo_arguments(self) -> None:
+        if not (isinstance(self.zo_hizoo_smooth, (int, float)) and 0.0 <= self.zo_hizoo_smooth < 1.0):
+            raise ValueError(
+                f"zo_hizoo_smooth must be in [0, 1), got {self.zo_hizoo_smooth!r}; HiZOO uses 1e-9 to 1e-6."
+            )
+        if self.zo_optimizer != "hizoo":
+            return
+        if self.zo_engine != "sequential":
+            raise ValueError(
+                f"zo_optimizer='hizoo' needs three forwards on the same weights per estimate, which "
+                f"zo_engine={self.zo_engine!r} does not run; use zo_engine='sequential'."
+            )
+        if self.zo_perturbation_parallel_size > 1:
+            raise ValueError(
+                "zo_optimizer='hizoo' measures the loss at the unperturbed weights before each estimate, which "
+                f"perturbation parallelism does not split (zo_perturbation_parallel_size="
+                f"{self.zo_perturbation_parallel_size}); set zo_perturbation_parallel_size=1 (data parallelism works)."
+            )
+        if self.zo_noise == "table":
+            raise ValueError(
+                "zo_optimizer='hizoo' scales the noise element by element and cannot use zo_noise='table'; set "
+                "zo_noise='gaussian' (the default) or 'rademacher'."
             )
 
 

@@ -215,6 +215,12 @@ class Noise:
     def _is_philox(self) -> bool:
         return self.algorithm == "philox" and self.distribution != "table"
 
+    @property
+    def _fuses_generation(self) -> bool:
+        """Whether sweeps may let the compiled kernel generate ``z`` itself: only for the plain Philox noise, since
+        the kernel bypasses :meth:`fill_` (which subclasses override, e.g. LOZO's low-rank noise) and the cache."""
+        return self._is_philox and not self.cache_numel and type(self).fill_ is Noise.fill_
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state.update(_local=None, _pool=None, _tables={}, _cache=OrderedDict())
@@ -396,7 +402,7 @@ class Noise:
             return
         selected = [tensors[k] for k, _ in live]
         plans = [(u.decay, [(s, c) for s, c in u.terms.items() if c != 0.0]) for _, u in live]
-        kernel = load_kernel() if self._is_philox and not self.cache_numel else None
+        kernel = load_kernel() if self._fuses_generation else None
         if kernel is not None:
             fused = [k for k, (_, t) in enumerate(selected) if _fused_kernel_can_update(t)]
             kernel.apply(

@@ -398,6 +398,8 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
     elif args.zo_optimizer == "lozo":
         kwargs["rank"] = args.zo_lozo_rank
         kwargs["subspace_steps"] = args.zo_lozo_subspace_steps
+    elif args.zo_optimizer == "hizoo":
+        kwargs["hessian_smooth"] = args.zo_hizoo_smooth
     return cls(param_groups, **kwargs)
 
 

@@ -30,6 +30,7 @@ DUAL = dict(zo_engine="dual")
 DISK = dict(zo_engine="dual", zo_offload="disk")
 SLICED = dict(DISK, zo_offload_sliced_upload=True)
 LOZO = dict(zo_optimizer="lozo", zo_lozo_subspace_steps=2)  # the subspace changes within the run
+HIZOO = dict(zo_optimizer="hizoo", zo_hizoo_smooth=1e-3)  # H moves visibly in 4 steps
 WRITES: list[str] = []
 
 
@@ -180,6 +181,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["verified"] = train(out, "verified", tiny_causal_lm("opt"), zo_verify_replicas_steps=1)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
         runs["lozo"] = train(out, "lozo", tiny_causal_lm("opt"), **LOZO)
+        runs["hizoo"] = train(out, "hizoo", tiny_causal_lm("opt"), **HIZOO)
         runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
         runs["lora_dual"] = train(out, "lora_dual", lora(tiny_causal_lm("llama")), **DUAL)
         runs["lora_disk"] = train(out, "lora_disk", lora(tiny_causal_lm("llama")), **DISK)
@@ -194,6 +196,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full_q2"] = train(out, "full_q2", tiny_causal_lm("opt"), zo_num_perturbations=2)
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
         runs["lozo_accumulate2"] = train(out, "lozo_acc", tiny_causal_lm("opt"), accumulation=2, **LOZO)
+        runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
     elif scenario == "diverge":
         diverge = [DivergeAtStep(2)] if rank == 1 else None

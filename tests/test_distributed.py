@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_zo import ZOConfig, ZOTrajectory, replay
-from hf_zo.optim import ZOSGD, ZOSGDConservative
+from hf_zo.optim import ZOSGD, HiZOO, ZOSGDConservative
 from hf_zo.parallel import DistZOPlugin, ZOMesh
 from hf_zo.parallel.estimation import ParallelEstimation
 
@@ -106,7 +106,13 @@ def test_perturbation_parallel_equals_one_process_doing_both_forwards(pertp2, re
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "run, reference_run", [("full", "full_accumulate2"), ("lora", "lora_accumulate2"), ("lozo", "lozo_accumulate2")]
+    "run, reference_run",
+    [
+        ("full", "full_accumulate2"),
+        ("lora", "lora_accumulate2"),
+        ("lozo", "lozo_accumulate2"),
+        ("hizoo", "hizoo_accumulate2"),
+    ],
 )
 def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, reference_run):
     # DP rank r's m-th micro-batch is global micro-batch 2m + r with perturbation index 2m + r: the same seeds,
@@ -124,10 +130,12 @@ def test_data_parallel_classifier_replicas_agree_with_zo_and_first_order_heads(d
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk"])
+@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk", "hizoo"])
 def test_trajectory_of_a_data_parallel_run_replays_in_one_process(dp2, run):
     # Each rank records the perturbations of every rank, in global order, so one process replays the whole run.
-    base = tiny_causal_lm("opt") if run in ("full", "disk") else distributed_worker.lora(tiny_causal_lm("llama"))
+    base = (
+        tiny_causal_lm("opt") if run in ("full", "disk", "hizoo") else distributed_worker.lora(tiny_causal_lm("llama"))
+    )
     model = replay(base, ZOTrajectory.from_bytes(dp2[0]["runs"][run]["trajectory"]))
     trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     _assert_bitwise_equal(trained, dp2[0]["runs"][run]["params"])
@@ -209,6 +217,7 @@ def test_bytes_per_step_are_scalars_independent_of_model_size(pertp2, dp2, mesh2
         # The record count (8 bytes), then one (index, seed, g, L+, L-) record of 5 int64 (40 bytes); LoRA alike.
         assert rank["runs"]["full"]["bytes_per_step"] == rank["runs"]["lora"]["bytes_per_step"] == 48
         assert rank["runs"]["full"]["calls_per_step"] == 2
+        assert rank["runs"]["hizoo"]["bytes_per_step"] == 48 + 8  # HiZOO's records carry their curvature too
     for rank in mesh2x2:
         assert rank["runs"]["full"]["bytes_per_step"] == rank["runs"]["disk_sliced"]["bytes_per_step"] == 8 + 48
         assert rank["runs"]["full"]["calls_per_step"] == 3
@@ -343,6 +352,11 @@ def test_strategy_rejects_layouts_the_replicas_cannot_agree_on():
     data_parallel = ParallelEstimation(ZOMesh(dp_size=2, pertp_size=1), collectives=None)
     with pytest.raises(ValueError, match="zo_sgd_cons chooses its update from the loss on each rank's own"):
         data_parallel.check(ZOSGDConservative(params, lr=0.1))
+    perturbation_parallel = ParallelEstimation(ZOMesh(dp_size=1, pertp_size=2), collectives=None)
+    with pytest.raises(
+        ValueError, match="HiZOO measures the loss at the unperturbed .* zo_perturbation_parallel_size=1"
+    ):
+        perturbation_parallel.check(HiZOO(params, lr=0.1))
 
 
 def test_sliced_upload_needs_offload_and_a_perturbation_parallel_group(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_zo import TRAJECTORY_NAME, ZOConfig, ZOTrainer, replay
-from hf_zo.noise import NOISE_BLOCK_NUMEL, Noise
+from hf_zo.noise import NOISE_BLOCK_NUMEL, Noise, NoiseUpdate
 from hf_zo.optim import LOZO, LowRankNoise
 
 from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm
@@ -155,3 +155,13 @@ def test_bad_settings_fail_at_construction_naming_the_field(tmp_path, field, val
         ZOConfig(output_dir=str(tmp_path), zo_optimizer="lozo", **{field: value})
     with pytest.raises(ValueError, match="rank must be an integer >= 1"):
         LOZO([torch.nn.Parameter(torch.zeros(3, 3))], lr=0.1, rank=0)
+
+
+def test_sweeps_without_the_noise_cache_keep_the_low_rank_noise():
+    # The compiled Philox kernel generates plain z inside the sweep; LowRankNoise must not be swept by it.
+    noise = LowRankNoise(2, shapes={0: (40, 30)})
+    assert not noise.cache_numel
+    swept = torch.zeros(40, 30)
+    noise.apply_([(0, swept)], [NoiseUpdate(terms={5: 1.0})])
+    assert torch.linalg.matrix_rank(swept) == 2
+    assert torch.equal(swept, noise.sample(5, 0, (40, 30)))

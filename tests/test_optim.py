@@ -13,6 +13,7 @@ HYPER = {
     "zo_sgd_cons": dict(lr=0.02),
     "zo_adam": dict(lr=0.05),
     "lozo": dict(lr=0.02),
+    "hizoo": dict(lr=0.02, hessian_smooth=1e-3),
 }
 
 
@@ -143,7 +144,7 @@ def test_resume_keeps_the_noise_algorithm_of_the_checkpoint():
         run(split=4, algorithm="philox")
 
 
-@pytest.mark.parametrize("name", ["zo_sgd", "zo_adam"])
+@pytest.mark.parametrize("name", ["zo_sgd", "zo_adam", "hizoo"])
 def test_noise_cache_is_bitwise_equal_to_regeneration(name):
     results = []
     for cache in (False, True):

@@ -2,6 +2,7 @@
 
 from .adam import ZOAdam
 from .base import ZOOptimizer
+from .hizoo import HiZOO, PreconditionedNoise
 from .lozo import LOZO, LowRankNoise
 from .sgd import ZOSGD, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
 
@@ -12,12 +13,15 @@ ZO_OPTIMIZERS: dict[str, type[ZOOptimizer]] = {
     "zo_sgd_cons": ZOSGDConservative,
     "zo_adam": ZOAdam,
     "lozo": LOZO,
+    "hizoo": HiZOO,
 }
 """The optimizers selectable by name (`ZOConfig.zo_optimizer`)."""
 
 __all__ = [
+    "HiZOO",
     "LOZO",
     "LowRankNoise",
+    "PreconditionedNoise",
     "ZO_OPTIMIZERS",
     "ZOAdam",
     "ZOOptimizer",

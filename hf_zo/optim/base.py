@@ -65,6 +65,10 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         **defaults: further per-group hyper-parameters of the subclass.
     """
 
+    needs_center_loss: bool = False
+    """Whether each estimate also measures the loss at the unperturbed weights (its records then carry a curvature;
+    a third forward per estimate). Set by subclasses that use it (HiZOO)."""
+
     def __init__(
         self,
         params: Iterable,
@@ -146,7 +150,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                 "(autocast), or set zo_exact_restore=True (memory: one copy of the trainable weights; with "
                 "zo_engine='dual', one block)."
             )
-        self.estimator = SPSAEstimator(self.params, self.eps, exact_restore=exact_restore)
+        self.estimator = SPSAEstimator(
+            self.params, self.eps, exact_restore=exact_restore, center_loss=self.needs_center_loss
+        )
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (see `torch.optim.Optimizer.add_param_group`)."""

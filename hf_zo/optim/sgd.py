@@ -7,6 +7,7 @@ from abc import abstractmethod
 import torch
 
 from ..estimator import ZORecord
+from ..noise import NoiseUpdate
 from .base import ZOOptimizer, mean_projected_grads
 
 
@@ -51,20 +52,31 @@ class _ChunkwiseZOOptimizer(ZOOptimizer):
         weights = mean_projected_grads(records)
         tensors = self.params.tensors
         states = [self._state_tensors(p) for _, p in tensors]
-        noise = self.noise
 
         def visit(position, start, chunk, scratch):
             z, grad = scratch
-            index = tensors[position][0]
-            update = pending[position]
-            noise.update_chunk_(chunk, z, index, start, update.decay, list(update.terms.items()))
-            grad.zero_()
-            noise.update_chunk_(grad, z, index, start, 1.0, weights)
+            self._restore_and_average(chunk, z, grad, tensors[position][0], start, pending[position], weights)
             stop = start + chunk.numel()
             group = self.param_groups[self._group_of[position]]
             self._update_chunk(chunk, grad, [s[start:stop] for s in states[position]], group)
 
-        noise.map_chunks(tensors, visit, num_scratch=2)
+        self.noise.map_chunks(tensors, visit, num_scratch=2)
+
+    def _restore_and_average(
+        self,
+        chunk: torch.Tensor,
+        z: torch.Tensor,
+        grad: torch.Tensor,
+        index: int,
+        start: int,
+        update: NoiseUpdate,
+        weights: list[tuple[int, float]],
+    ) -> None:
+        """Apply the pending `update` to `chunk` and write ``g = sum_i w_i z_i`` of the same elements into `grad`
+        (`z` is scratch for the noise), for ``(seed_i, w_i)`` in `weights`."""
+        self.noise.update_chunk_(chunk, z, index, start, update.decay, list(update.terms.items()))
+        grad.zero_()
+        self.noise.update_chunk_(grad, z, index, start, 1.0, weights)
 
 
 class ZOSGDMomentum(_ChunkwiseZOOptimizer):

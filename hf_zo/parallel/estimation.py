@@ -28,7 +28,7 @@ from ..optim.sgd import ZOSGDConservative
 from .collectives import ScalarCollectives
 from .mesh import ZOMesh
 
-_RECORD_FIELDS = 5  # (k, seed, projected_grad bits, loss_plus bits, loss_minus bits), as int64
+_RECORD_FIELDS = 5  # (k, seed, projected_grad bits, loss_plus bits, loss_minus bits), as int64; + curvature bits
 
 
 class ParallelEstimation:
@@ -53,6 +53,12 @@ class ParallelEstimation:
                 f"of a micro-batch (2 * zo_num_perturbations = 2 * {optimizer.num_perturbations}); use a divisor of "
                 f"{forwards} or raise zo_num_perturbations."
             )
+        if self.mesh.pertp_size > 1 and optimizer.needs_center_loss:
+            raise ValueError(
+                f"{type(optimizer).__name__} measures the loss at the unperturbed weights before each two-point "
+                "estimate, which perturbation parallelism does not split between ranks; set "
+                f"zo_perturbation_parallel_size=1 (got {self.mesh.pertp_size}) and use data parallelism instead."
+            )
         if self.mesh.dp_size > 1 and isinstance(optimizer, ZOSGDConservative):
             raise ValueError(
                 "zo_sgd_cons chooses its update from the loss on each rank's own last batch, so data-parallel "
@@ -71,20 +77,35 @@ class ParallelEstimation:
         q, dp = optimizer.num_perturbations, self.mesh.dp_size
         micro_batch = optimizer._num_estimates // q
         optimizer._num_estimates += q
-        own_seeds, own_losses = [], []
+        own_seeds, own_losses, own_centers = [], [], []
         for dp_rank in range(dp):
             mine = dp_rank == self.mesh.dp_rank
             for j in range(q):
                 k = (micro_batch * dp + dp_rank) * q + j
                 seed = optimizer.perturbation_seed(optimizer.zo_step, k)
+                center = self._center_forward(optimizer, closure if mine else None)
                 losses = self._signed_forwards(optimizer, closure if mine else None, seed, j)
                 if mine:
                     self._index_of_seed[seed] = k
                     own_seeds.append(seed)
                     own_losses.append(losses)
+                    own_centers.append(center)
         losses = self._exchange_losses(own_losses)
-        records = [make_record(seed, plus, minus, optimizer.eps) for seed, (plus, minus) in zip(own_seeds, losses)]
+        records = [
+            make_record(seed, plus, minus, optimizer.eps, center)
+            for seed, (plus, minus), center in zip(own_seeds, losses, own_centers)
+        ]
         return optimizer.keep_estimates(records, closure)
+
+    @staticmethod
+    def _center_forward(optimizer: ZOOptimizer, closure: Closure | None) -> float | None:
+        """The loss at the unperturbed weights for an optimizer that needs it (HiZOO; `None` for the others), made
+        as `SPSAEstimator.estimate` makes it: every rank applies the pending restore, the owner of the batch runs
+        the forward (the others get NaN; only the owner's records use it)."""
+        if not optimizer.needs_center_loss:
+            return None
+        optimizer.params.flush()
+        return math.nan if closure is None else _as_float(closure())
 
     def _signed_forwards(self, optimizer: ZOOptimizer, closure: Closure | None, seed: int, j: int) -> list[float]:
         """The sweeps of one estimate, running only the forwards assigned to this rank (the others: NaN).
@@ -124,23 +145,26 @@ class ParallelEstimation:
     def gather_records(self, optimizer: ZOOptimizer, records: list[ZORecord]) -> list[ZORecord]:
         """All the step's records of every DP group, in global micro-batch order (what one process would hold).
 
-        Two all-gathers over the DP group: the record counts, then the records (padded to the longest).
+        Two all-gathers over the DP group: the record counts, then the records (padded to the longest), with their
+        curvatures when the optimizer uses them.
         """
         index_of_seed, self._index_of_seed = self._index_of_seed, {}
         if self.mesh.dp_size == 1:
             return records
         group = self.mesh.dp_group
+        curvatures = optimizer.needs_center_loss
         counts = self.collectives.all_gather(torch.tensor([len(records)], dtype=torch.int64), group)
-        rows = torch.zeros((int(counts.max()), _RECORD_FIELDS), dtype=torch.int64)
+        rows = torch.zeros((int(counts.max()), _RECORD_FIELDS + curvatures), dtype=torch.int64)
         for i, record in enumerate(records):
-            values = torch.tensor([record.projected_grad, record.loss_plus, record.loss_minus], dtype=torch.float64)
+            values = [record.projected_grad, record.loss_plus, record.loss_minus]
+            values += [record.curvature] if curvatures else []
             rows[i, 0] = index_of_seed[record.seed]
             rows[i, 1] = record.seed
-            rows[i, 2:] = values.view(torch.int64)
+            rows[i, 2:] = torch.tensor(values, dtype=torch.float64).view(torch.int64)
         gathered = self.collectives.all_gather(rows, group)
         indexed = []
         for rank_rows, count in zip(gathered, counts.view(-1).tolist()):
             for row in rank_rows[:count]:
-                grad, plus, minus = row[2:].clone().view(torch.float64).tolist()
-                indexed.append((int(row[0]), ZORecord(int(row[1]), grad, plus, minus)))
+                values = row[2:].clone().view(torch.float64).tolist()
+                indexed.append((int(row[0]), ZORecord(int(row[1]), *values)))
         return [record for _, record in sorted(indexed, key=lambda item: item[0])]

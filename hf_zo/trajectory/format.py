@@ -1,20 +1,24 @@
 """`ZOTrajectory`: the steps of a ZO run as seeds and scalars, and their file format.
 
-File format (``zo_trajectory.bin``, version 2, little-endian)::
+File format (``zo_trajectory.bin``, version 3, little-endian)::
 
     magic "HFZOTRAJ" | u32 format version | u32 header bytes H | u64 body bytes B | u64 tensor bytes T
     header: H bytes of UTF-8 JSON (see :meth:`ZOTrajectory.start`)
     body: B bytes, one record per optimizer step:
-        u8 flags (bit 0: lrs follow, bit 1: weight decays follow; set when they change) | u32 estimates n
+        u8 flags (bit 0: lrs follow, bit 1: weight decays follow, set when they change; bit 2: curvatures follow)
+        | u32 estimates n
         [f64 lr per param group] [f64 weight decay per param group]
-        n x (u64 seed, f64 projected gradient; NaN marks an estimate skipped for a non-finite loss)
+        n x (u64 seed, f64 projected gradient; NaN marks an estimate skipped for a non-finite loss
+             [, f64 curvature when bit 2 is set: that of HiZOO's estimates, from which replay rebuilds its state])
     tensors: T bytes, zlib-compressed safetensors of the tensors a replay cannot get from the base model
         ("initial/NAME": start values the base checkpoint does not hold, "final/NAME": end values of the
         trainable tensors the ZO optimizer does not update); empty when there are none
     SHA-256 of everything above (32 bytes): detects corruption and truncation.
 
-Version 1 (read, never written) has no tensor section and no T in its preamble, and does not record the noise
-algorithm (header ``optimizer.noise.algorithm``): it is read as made with ``"torch"``, the only one hf_zo had then.
+Version 3 adds flag bit 2; a file whose steps do not use it (every optimizer but HiZOO) is written as version 2,
+so that older hf_zo releases still read it. Version 1 (read, never written) has no tensor section and no T in its
+preamble, and does not record the noise algorithm (header ``optimizer.noise.algorithm``): it is read as made with
+``"torch"``, the only one hf_zo had then.
 """
 
 from __future__ import annotations
@@ -44,16 +48,19 @@ from .base import frozen_fingerprint, initial_tensors_not_in_base
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
 
-FORMAT_VERSION = 2
-"""Version of the file format written by this release (version 1 files are read too)."""
+FORMAT_VERSION = 3
+"""Newest version of the file format, written for HiZOO runs (others are written as version 2; version 1 files are
+read too)."""
 
+_VERSION_WITHOUT_CURVATURES = 2  # what a file without curvatures is written as, for older readers
 _MAGIC = b"HFZOTRAJ"
 _PREAMBLE = struct.Struct("<8sIIQQ")
 _PREAMBLE_V1 = struct.Struct("<8sIIQ")
 _STEP_HEAD = struct.Struct("<BI")
 _ESTIMATE = struct.Struct("<Qd")
+_ESTIMATE_WITH_CURVATURE = struct.Struct("<Qdd")
 _DIGEST_BYTES = 32
-_LRS_FOLLOW, _WDS_FOLLOW = 1, 2
+_LRS_FOLLOW, _WDS_FOLLOW, _CURVATURES_FOLLOW = 1, 2, 4
 _STATELESS = (ZOSGD, ZOSGDSign)
 
 
@@ -75,6 +82,8 @@ class ZOTrajectoryStep:
         projected_grads (`tuple[float, ...]`): projected gradient of each estimate; NaN where it was skipped.
         lrs (`tuple[float, ...]`): learning rate of each parameter group.
         weight_decays (`tuple[float, ...]`): weight decay of each parameter group.
+        curvatures (`tuple[float, ...]`, *optional*):
+            Curvature of each estimate (NaN where it was skipped), for optimizers that use it (HiZOO); else `None`.
     """
 
     step: int
@@ -82,13 +91,15 @@ class ZOTrajectoryStep:
     projected_grads: tuple[float, ...]
     lrs: tuple[float, ...]
     weight_decays: tuple[float, ...]
+    curvatures: tuple[float, ...] | None = None
 
     @property
     def records(self) -> list[ZORecord]:
         """The records the update used (losses are not recorded and read NaN)."""
+        curvatures = self.curvatures or (None,) * len(self.seeds)
         return [
-            ZORecord(seed, grad, math.nan, math.nan)
-            for seed, grad in zip(self.seeds, self.projected_grads)
+            ZORecord(seed, grad, math.nan, math.nan, curvature)
+            for seed, grad, curvature in zip(self.seeds, self.projected_grads, curvatures)
             if not math.isnan(grad)
         ]
 
@@ -121,9 +132,11 @@ class ZOTrajectory:
         self._body = bytearray(body)
         self._num_steps = 0
         self._last = (None, None)
+        self._has_curvatures = False
         for step in self.steps():
             self._num_steps += 1
             self._last = (step.lrs, step.weight_decays)
+            self._has_curvatures |= step.curvatures is not None
 
     # ------------------------------------------------------------------ building
 
@@ -165,7 +178,7 @@ class ZOTrajectory:
         noise = optimizer.noise
         header = {
             "format": "hf-zo-trajectory",
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if optimizer.needs_center_loss else _VERSION_WITHOUT_CURVATURES,
             "versions": {"hf_zo": _version("hf-zo"), "torch": torch.__version__},
             "base_model": _describe_model(model),
             "optimizer": {
@@ -210,6 +223,7 @@ class ZOTrajectory:
             # On a data-parallel mesh every rank also sweeps the other ranks' perturbations, in global order.
             seeds = [optimizer.perturbation_seed(step, k) for k in range(len(seeds) * dp_size)]
         grads = {r.seed: r.projected_grad for r in records}
+        curvatures = {r.seed: r.curvature for r in records}
         known = set(seeds)
         seeds = list(seeds) + [r.seed for r in records if r.seed not in known]
         self.append(
@@ -219,6 +233,9 @@ class ZOTrajectory:
                 projected_grads=tuple(float(grads.get(seed, math.nan)) for seed in seeds),
                 lrs=tuple(float(group["lr"]) for group in optimizer.param_groups),
                 weight_decays=tuple(float(group["weight_decay"]) for group in optimizer.param_groups),
+                curvatures=tuple(float(curvatures.get(seed, math.nan)) for seed in seeds)
+                if optimizer.needs_center_loss
+                else None,
             )
         )
 
@@ -234,19 +251,30 @@ class ZOTrajectory:
                 f"The trajectory has {self.num_groups} parameter groups, but step {step.step} has "
                 f"{len(step.lrs)} lrs and {len(step.weight_decays)} weight decays."
             )
+        if step.curvatures is not None and len(step.curvatures) != len(step.seeds):
+            raise ValueError(
+                f"Step {step.step} has {len(step.seeds)} seeds but {len(step.curvatures)} curvatures; give one per "
+                "seed (NaN where the estimate was skipped)."
+            )
         last_lrs, last_wds = self._last
         flags = (_LRS_FOLLOW if step.lrs != last_lrs else 0) | (_WDS_FOLLOW if step.weight_decays != last_wds else 0)
+        flags |= _CURVATURES_FOLLOW if step.curvatures is not None else 0
         encoded = bytearray(_STEP_HEAD.pack(flags, len(step.seeds)))
         groups = struct.Struct(f"<{self.num_groups}d")
         if flags & _LRS_FOLLOW:
             encoded += groups.pack(*step.lrs)
         if flags & _WDS_FOLLOW:
             encoded += groups.pack(*step.weight_decays)
-        for seed, grad in zip(step.seeds, step.projected_grads):
-            encoded += _ESTIMATE.pack(seed, grad)
+        if step.curvatures is None:
+            for seed, grad in zip(step.seeds, step.projected_grads):
+                encoded += _ESTIMATE.pack(seed, grad)
+        else:
+            for seed, grad, curvature in zip(step.seeds, step.projected_grads, step.curvatures):
+                encoded += _ESTIMATE_WITH_CURVATURE.pack(seed, grad, curvature)
         self._body += encoded
         self._num_steps += 1
         self._last = (step.lrs, step.weight_decays)
+        self._has_curvatures |= step.curvatures is not None
 
     # ------------------------------------------------------------------ reading
 
@@ -264,6 +292,11 @@ class ZOTrajectory:
     def next_step(self) -> int:
         """The optimizer step that would come next: `first_step` plus the number of steps."""
         return self.first_step + self._num_steps
+
+    @property
+    def format_version(self) -> int:
+        """The format version :meth:`to_bytes` writes: 3 if some step records curvatures (HiZOO), else 2."""
+        return FORMAT_VERSION if self._has_curvatures else _VERSION_WITHOUT_CURVATURES
 
     @property
     def body_bytes(self) -> int:
@@ -289,12 +322,18 @@ class ZOTrajectory:
                 if flags & _WDS_FOLLOW:
                     wds = groups.unpack_from(body, offset)
                     offset += groups.size
-                if lrs is None or wds is None or flags & ~(_LRS_FOLLOW | _WDS_FOLLOW):
+                if lrs is None or wds is None or flags & ~(_LRS_FOLLOW | _WDS_FOLLOW | _CURVATURES_FOLLOW):
                     raise TrajectoryFormatError(f"Malformed trajectory body: bad flags {flags} at step {step}.")
-                estimates = [_ESTIMATE.unpack_from(body, offset + k * _ESTIMATE.size) for k in range(count)]
-                offset += count * _ESTIMATE.size
+                layout = _ESTIMATE_WITH_CURVATURE if flags & _CURVATURES_FOLLOW else _ESTIMATE
+                estimates = [layout.unpack_from(body, offset + k * layout.size) for k in range(count)]
+                offset += count * layout.size
                 yield ZOTrajectoryStep(
-                    step, tuple(s for s, _ in estimates), tuple(g for _, g in estimates), tuple(lrs), tuple(wds)
+                    step,
+                    tuple(e[0] for e in estimates),
+                    tuple(e[1] for e in estimates),
+                    tuple(lrs),
+                    tuple(wds),
+                    tuple(e[2] for e in estimates) if flags & _CURVATURES_FOLLOW else None,
                 )
                 step += 1
         except struct.error as error:
@@ -304,10 +343,11 @@ class ZOTrajectory:
 
     def to_bytes(self) -> bytes:
         """The trajectory as the bytes of a ``zo_trajectory.bin`` file (in the current format version)."""
-        header = dict(self.header, num_steps=self._num_steps, format_version=FORMAT_VERSION)
+        version = self.format_version
+        header = dict(self.header, num_steps=self._num_steps, format_version=version)
         header_bytes = json.dumps(header, sort_keys=True).encode("utf-8")
         tensors = self.tensor_section()
-        data = _PREAMBLE.pack(_MAGIC, FORMAT_VERSION, len(header_bytes), len(self._body), len(tensors))
+        data = _PREAMBLE.pack(_MAGIC, version, len(header_bytes), len(self._body), len(tensors))
         data += header_bytes + bytes(self._body) + tensors
         return data + hashlib.sha256(data).digest()
 
