@@ -125,6 +125,8 @@ for title, modname, names in SECTIONS:
             out.append(f"*function* `{obj.__module__}.{name}`\n")
             out.append(first_paragraphs(obj.__doc__, 1) + "\n")
         else:
+            if isinstance(obj, str) and os.path.isabs(obj):  # a path inside the package: the same on every machine
+                obj = os.path.relpath(obj, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             out.append(f"### `{name}`\n")
             out.append(
                 f"*constant* `{modname}.{name}` = `{obj!r}`\n"
