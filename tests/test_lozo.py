@@ -165,3 +165,11 @@ def test_sweeps_without_the_noise_cache_keep_the_low_rank_noise():
     noise.apply_([(0, swept)], [NoiseUpdate(terms={5: 1.0})])
     assert torch.linalg.matrix_rank(swept) == 2
     assert torch.equal(swept, noise.sample(5, 0, (40, 30)))
+
+
+@pytest.mark.parametrize("algorithm", ["torch", "philox"])
+def test_the_chosen_noise_algorithm_generates_the_factors(algorithm):
+    weight = torch.nn.Parameter(torch.zeros(40, 30))
+    optimizer = LOZO([weight], lr=1e-3, noise=Noise("gaussian", algorithm=algorithm))
+    assert optimizer.noise.algorithm == algorithm and not optimizer.noise.algorithm_is_automatic
+    assert optimizer.state_dict()["zo"]["noise_algorithm"] == algorithm

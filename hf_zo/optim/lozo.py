@@ -94,7 +94,9 @@ class LOZO(ZOSGD):
             num_workers=noise.num_workers,
             table_numel=noise.table_numel,
             table_seed=noise.table_seed,
+            algorithm=noise.algorithm,
         )
+        low_rank.algorithm_is_automatic = noise.algorithm_is_automatic
         super().__init__(params, lr, noise=low_rank, rank=rank, subspace_steps=subspace_steps, **kwargs)
 
     def _build_parameters(self) -> None:
