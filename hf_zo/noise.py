@@ -195,6 +195,25 @@ class Noise:
         self.algorithm = resolve_noise_algorithm(algorithm, device_type)
         self._check_kernel()
 
+    @classmethod
+    def like(cls, noise: Noise, *args, **kwargs) -> Noise:
+        """A `cls` (e.g. an optimizer's own kind of noise) with the settings of `noise`: distribution, chunking,
+        workers, table and algorithm, which stays automatic (it follows a resumed checkpoint) if it was.
+
+        `args` and `kwargs` are the further arguments of `cls`."""
+        new = cls(
+            *args,
+            distribution=noise.distribution,
+            chunk_numel=noise.chunk_numel,
+            num_workers=noise.num_workers,
+            table_numel=noise.table_numel,
+            table_seed=noise.table_seed,
+            algorithm=noise.algorithm,
+            **kwargs,
+        )
+        new.algorithm_is_automatic = noise.algorithm_is_automatic
+        return new
+
     def use_algorithm(self, algorithm: str) -> None:
         """Generate with `algorithm` (`"philox"` or `"torch"`) from now on, e.g. that of the run being resumed."""
         if algorithm not in NOISE_ALGORITHMS:

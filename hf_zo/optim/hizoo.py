@@ -99,15 +99,7 @@ class HiZOO(_ChunkwiseZOOptimizer):
             raise ValueError(f"hessian_smooth must be in [0, 1), got {hessian_smooth!r}; the paper uses 1e-9 to 1e-6.")
         if not isinstance(noise, Noise):
             noise = Noise(noise)
-        preconditioned = PreconditionedNoise(
-            distribution=noise.distribution,
-            chunk_numel=noise.chunk_numel,
-            num_workers=noise.num_workers,
-            table_numel=noise.table_numel,
-            table_seed=noise.table_seed,
-            algorithm=noise.algorithm,
-        )
-        preconditioned.algorithm_is_automatic = noise.algorithm_is_automatic
+        preconditioned = PreconditionedNoise.like(noise)
         super().__init__(params, lr, noise=preconditioned, hessian_smooth=float(hessian_smooth), **kwargs)
 
     def _build_parameters(self) -> None:

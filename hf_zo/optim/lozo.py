@@ -87,16 +87,7 @@ class LOZO(ZOSGD):
             raise ValueError(f"subspace_steps must be an integer >= 1, got {subspace_steps!r}.")
         if not isinstance(noise, Noise):
             noise = Noise(noise)
-        low_rank = LowRankNoise(
-            rank,
-            distribution=noise.distribution,
-            chunk_numel=noise.chunk_numel,
-            num_workers=noise.num_workers,
-            table_numel=noise.table_numel,
-            table_seed=noise.table_seed,
-            algorithm=noise.algorithm,
-        )
-        low_rank.algorithm_is_automatic = noise.algorithm_is_automatic
+        low_rank = LowRankNoise.like(noise, rank)
         super().__init__(params, lr, noise=low_rank, rank=rank, subspace_steps=subspace_steps, **kwargs)
 
     def _build_parameters(self) -> None:
