@@ -69,10 +69,6 @@ class PreconditionedNoise(Noise):
             out.div_(hessian[start : start + out.numel()].sqrt())
         return out
 
-    def fill_unscaled_(self, out: torch.Tensor, seed: int, index: int, start: int) -> torch.Tensor:
-        """Write the plain ``z[start : start + out.numel()]`` of parameter `index` into `out` (for updating ``H``)."""
-        return super().fill_(out, seed, index, start)
-
     def forget_cached(self) -> None:
         """Drop the cached noise (computed with the ``H`` of its time)."""
         self._cache.clear()
@@ -143,13 +139,17 @@ class HiZOO(_ChunkwiseZOOptimizer):
             z, grad, curvature = scratch
             index = tensors[position][0]
             self._restore_and_average(chunk, z, grad, index, start, pending[position], weights)
+            hessian = hessians[position][start : start + chunk.numel()]
+            # mean_i(c_i z_i^2) = H * mean_i(c_i u_i^2): the u_i the restore and the average just used (cached when
+            # the noise cache is on), not a third generation of each z_i.
             curvature.zero_()
             for seed, weight in curvatures:
-                curvature.addcmul_(noise.fill_unscaled_(z, seed, index, start), z, value=weight)
+                u = noise.chunk(z, seed, index, start)
+                curvature.addcmul_(u, u, value=weight)
+            curvature.mul_(hessian)
             group = self.param_groups[self._group_of[position]]
-            self._update_chunk(chunk, grad, [hessians[position][start : start + chunk.numel()]], group)
+            self._update_chunk(chunk, grad, [hessian], group)
             smooth = group["hessian_smooth"]
-            hessian = hessians[position][start : start + chunk.numel()]
             hessian.mul_(curvature.mul_(smooth).add_(1.0 - smooth)).clamp_min_(HESSIAN_FLOOR)
 
         noise.map_chunks(tensors, visit, num_scratch=3)
