@@ -10,6 +10,9 @@ per step and the peak resident memory of:
       sweeps, z drawn per parameter with torch.normal, out-of-place updates),
   (d) a first-order AdamW step through `transformers.Trainer`.
 
+Every timed step is followed by one timed inference forward on the same batch, and each time ratio is the median of
+the per-step ratios `step / forward` of these back-to-back pairs (`_range`: the lowest and highest pair), so a
+machine that slows down or speeds up between phases moves both halves of a pair together instead of the ratio.
 It prints one JSON line per configuration with the ratios `zo_step/forward`, `zo_torch_noise_step/forward`,
 `zo_table_step/forward`,
 `mezo_step/zo_step`, `zo_peak_mem/inference_peak_mem` and `fo_peak_mem/zo_peak_mem`, then a summary table, and
@@ -111,9 +114,13 @@ class CudaPeakMemory:
 
 
 class StepTimer:
-    """A `TrainerCallback` recording the wall time of each optimizer step (GPU work included)."""
+    """A `TrainerCallback` recording the wall time of each optimizer step (GPU work included).
 
-    def __init__(self):
+    With `forward` (a no-argument callable running one inference forward), it also times one forward right after
+    every step: each step then has a neighbour measured under the same machine load (see :func:`paired_ratio`).
+    """
+
+    def __init__(self, forward=None):
         from transformers import TrainerCallback
 
         timer = self
@@ -126,14 +133,46 @@ class StepTimer:
             def on_step_end(self, args, state, control, **kwargs):
                 synchronize()
                 timer.durations.append(time.perf_counter() - timer._start)
+                if forward is not None:
+                    timer.forwards.append(time_call(forward))
 
         self.durations: list[float] = []
+        self.forwards: list[float] = []
         self.callback = _Callback()
 
 
+def time_call(function) -> float:
+    """Seconds one call of `function` takes (queued GPU work included)."""
+    synchronize()
+    start = time.perf_counter()
+    function()
+    synchronize()
+    return time.perf_counter() - start
+
+
+def paired_ratio(steps: list[float], forwards: list[float]) -> tuple[float, float, float]:
+    """Median, lowest and highest of `step_i / forward_i` over pairs measured back to back.
+
+    A shared machine's speed drifts by tens of percent over minutes; a step and the forward right after it see
+    the same drift, so their ratio is steadier than the ratio of two medians measured minutes apart.
+    """
+    ratios = [step / forward for step, forward in zip(steps, forwards, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def time_trainer(
-    trainer_cls, model, args_cls, dataset, steps: int, warmup: int, device: str = "cpu", batch: int = 8, **extra
+    trainer_cls,
+    model,
+    args_cls,
+    dataset,
+    steps: int,
+    warmup: int,
+    device: str = "cpu",
+    batch: int = 8,
+    forward=None,
+    **extra,
 ):
+    """Train `steps + warmup` steps; returns the measured steps' seconds, their paired forwards' and the memory."""
     from hf_zo.demo.memory import PeakMemory
 
     args = args_cls(
@@ -148,11 +187,11 @@ def time_trainer(
         dataloader_num_workers=0,
         **extra,
     )
-    timer = StepTimer()
+    timer = StepTimer(forward)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, callbacks=[timer.callback])
     with CudaPeakMemory() if device == "cuda" else PeakMemory() as memory:
         trainer.train()
-    return statistics.median(timer.durations[warmup:]), memory
+    return timer.durations[warmup:], timer.forwards[warmup:], memory
 
 
 def mezo_reference_step(model, batch, lr=1e-6, eps=1e-3, weight_decay=0.0):
@@ -214,41 +253,45 @@ def measure(
     }
 
     model = build_model(shape, lora, device, dtype).eval()
-    durations = []
-    with peak_memory() as inference_memory, torch.no_grad():
-        for _ in range(warmup + steps):
-            start = time.perf_counter()
+
+    def forward():
+        with torch.no_grad():
             model(**batch_inputs)
-            synchronize()
-            durations.append(time.perf_counter() - start)
-    forward = statistics.median(durations[warmup:])
+
+    with peak_memory() as inference_memory:
+        durations = [time_call(forward) for _ in range(warmup + steps)]
+    forward_s = statistics.median(durations[warmup:])
 
     lr = 1e-4 if lora else 1e-6
-    zo_step, zo_memory = time_trainer(
-        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr
-    )
-    zo_torch_noise_step, _ = time_trainer(
-        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr, zo_noise_algorithm="torch"
-    )
-    zo_table_step, _ = time_trainer(
-        ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, learning_rate=lr, zo_noise="table"
-    )
+    runs = {
+        "zo": dict(),
+        "zo_torch_noise": dict(zo_noise_algorithm="torch"),
+        "zo_table": dict(zo_noise="table"),
+    }
+    timed, memories = {}, {}
+    for name, extra in runs.items():
+        step_s, forward_pairs, memories[name] = time_trainer(
+            ZOTrainer, model, ZOConfig, dataset, steps, warmup, device, batch, forward, learning_rate=lr, **extra
+        )
+        timed[name] = (step_s, forward_pairs)
 
-    durations = []
-    with peak_memory() as mezo_memory:
-        for _ in range(warmup + steps):
-            start = time.perf_counter()
-            mezo_reference_step(model, batch_inputs, lr=lr)
-            synchronize()
-            durations.append(time.perf_counter() - start)
-    mezo_step = statistics.median(durations[warmup:])
+    mezo_s, mezo_forwards = [], []
+    with peak_memory() as memories["mezo"]:
+        for i in range(warmup + steps):
+            step = time_call(lambda: mezo_reference_step(model, batch_inputs, lr=lr))
+            paired = time_call(forward)
+            if i >= warmup:
+                mezo_s.append(step)
+                mezo_forwards.append(paired)
+    timed["mezo"] = (mezo_s, mezo_forwards)
 
     del model
     gc.collect()  # the ZO trainers' reference cycles would otherwise keep the first model on the GPU
     model = build_model(shape, lora, device, dtype)
-    fo_step, fo_memory = time_trainer(
-        Trainer, model, TrainingArguments, dataset, steps, warmup, device, batch, learning_rate=lr
-    )
+    fo_s, fo_forwards, memories["fo"] = time_trainer(
+        Trainer, model, TrainingArguments, dataset, steps, warmup, device, batch, forward, learning_rate=lr
+    )  # `forward` now runs this model: the same shape, the same cost
+    timed["fo"] = (fo_s, fo_forwards)
 
     def above_baseline(memory):
         return (memory.peak_bytes - baseline) / 2**20
@@ -264,24 +307,20 @@ def measure(
         "peak_memory": "torch.cuda.max_memory_allocated" if on_cuda else "resident set size above baseline",
         "threads": torch.get_num_threads(),
         "noise_algorithm": resolve_noise_algorithm("auto"),
-        "forward_s": round(forward, 4),
-        "zo_step_s": round(zo_step, 4),
-        "zo_torch_noise_step_s": round(zo_torch_noise_step, 4),
-        "zo_table_step_s": round(zo_table_step, 4),
-        "mezo_step_s": round(mezo_step, 4),
-        "fo_step_s": round(fo_step, 4),
+        "forward_s": round(forward_s, 4),
+        **{f"{name}_step_s": round(statistics.median(step_s), 4) for name, (step_s, _) in timed.items()},
         "inference_peak_mib": round(above_baseline(inference_memory), 1),
-        "zo_peak_mib": round(above_baseline(zo_memory), 1),
-        "mezo_peak_mib": round(above_baseline(mezo_memory), 1),
-        "fo_peak_mib": round(above_baseline(fo_memory), 1),
+        **{f"{name}_peak_mib": round(above_baseline(memories[name]), 1) for name in ("zo", "mezo", "fo")},
     }
+    # Time ratios from pairs measured back to back (see paired_ratio); "_range" is the lowest and highest pair.
+    in_forwards = {name: paired_ratio(*pairs) for name, pairs in timed.items()}
+    for name, (median, low, high) in in_forwards.items():
+        result[f"{name}_step/forward"] = round(median, 3)
+        result[f"{name}_step/forward_range"] = [round(low, 3), round(high, 3)]
     result.update(
         {
-            "zo_step/forward": round(zo_step / forward, 3),
-            "zo_torch_noise_step/forward": round(zo_torch_noise_step / forward, 3),
-            "zo_table_step/forward": round(zo_table_step / forward, 3),
-            "mezo_step/zo_step": round(mezo_step / zo_step, 3),
-            "fo_step/zo_step": round(fo_step / zo_step, 3),
+            "mezo_step/zo_step": round(in_forwards["mezo"][0] / in_forwards["zo"][0], 3),
+            "fo_step/zo_step": round(in_forwards["fo"][0] / in_forwards["zo"][0], 3),
             "zo_peak_mem/inference_peak_mem": round(result["zo_peak_mib"] / result["inference_peak_mib"], 3),
             "fo_peak_mem/zo_peak_mem": round(result["fo_peak_mib"] / result["zo_peak_mib"], 3),
         }
@@ -301,8 +340,8 @@ def plot(results: list[dict], path: Path) -> None:
         "hf_zo ZO step": [r["zo_step/forward"] for r in results],
         "hf_zo ZO step (previous torch generator)": [r["zo_torch_noise_step/forward"] for r in results],
         "hf_zo ZO step (table noise)": [r["zo_table_step/forward"] for r in results],
-        "MeZO reference step": [r["mezo_step_s"] / r["forward_s"] for r in results],
-        "first-order AdamW step": [r["fo_step_s"] / r["forward_s"] for r in results],
+        "MeZO reference step": [r["mezo_step/forward"] for r in results],
+        "first-order AdamW step": [r["fo_step/forward"] for r in results],
     }
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)), 4))
     width = 0.8 / len(series)
@@ -341,7 +380,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=sorted(SHAPES))
     parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per phase (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per phase (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
