@@ -16,11 +16,13 @@ by `ZOConfig.zo_head_init` and `ZOConfig.zo_head_training`:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
@@ -428,7 +430,22 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
         name, head = list(heads.items())[-1]  # the module that produces the logits
         batches = trainer.get_eval_dataloader(trainer.train_dataset)  # sharded over the processes, if several
         gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
-        accuracy = fit_linear_probe(model, head, batches, max_samples=args.zo_head_init_max_samples, gather=gather)
+        max_samples = args.zo_head_init_max_samples
+        total = None
+        with contextlib.suppress(TypeError):  # a DataLoader over an IterableDataset has no length
+            total = len(batches)
+        if max_samples is not None:
+            needed = math.ceil(max_samples / (args.eval_batch_size * args.world_size))
+            total = needed if total is None else min(total, needed)
+        # One forward per example: on long inputs the probe takes minutes, so it shows progress like evaluation does.
+        with tqdm(
+            batches,
+            total=total,
+            desc="Linear probe",
+            leave=False,
+            disable=args.disable_tqdm or not trainer.is_local_process_zero(),
+        ) as progress:
+            accuracy = fit_linear_probe(model, head, progress, max_samples=max_samples, gather=gather)
         logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
     if head_training != "first_order":
         return ZOHeads(list(heads))

@@ -144,6 +144,28 @@ def test_first_order_head_trains_head_while_body_follows_the_zo_update():
             assert p.grad is None, name
 
 
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_linear_probe_shows_progress_unless_tqdm_is_disabled(capsys, disable_tqdm):
+    """The probe runs one forward per example before the first step: it shows a bar like evaluation does."""
+    model = tiny_bert_classifier()
+    args = ZOConfig(
+        output_dir="unused",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=disable_tqdm,
+        zo_head_init="linear_probe",
+        zo_head_init_max_samples=8,
+    )
+    ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16)).train()
+    err = capsys.readouterr().err
+    # 8 examples in eval batches of 4: the bar counts 2 batches
+    assert ("Linear probe" in err and "/2 " in err) != disable_tqdm
+
+
 def test_config_rejects_unknown_head_options():
     with pytest.raises(ValueError, match="Unknown zo_head_init 'probe'"):
         ZOConfig(output_dir="unused", zo_head_init="probe")
