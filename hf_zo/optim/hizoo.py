@@ -140,8 +140,8 @@ class HiZOO(_ChunkwiseZOOptimizer):
             index = tensors[position][0]
             self._restore_and_average(chunk, z, grad, index, start, pending[position], weights)
             hessian = hessians[position][start : start + chunk.numel()]
-            # mean_i(c_i z_i^2) = H * mean_i(c_i u_i^2): the u_i the restore and the average just used (cached when
-            # the noise cache is on), not a third generation of each z_i.
+            # mean_i(c_i z_i^2) = H * mean_i(c_i u_i^2), from the u_i the restore and the average just used: read
+            # from the noise cache when it is on (LoRA-sized sets), regenerated once more per chunk when it is off.
             curvature.zero_()
             for seed, weight in curvatures:
                 u = noise.chunk(z, seed, index, start)
