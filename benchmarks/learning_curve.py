@@ -23,6 +23,7 @@ Variants (select with --variants):
 - `lozo_lora`, `lozo_full`: LOZO, low-rank perturbations (`zo_optimizer="lozo"`) on LoRA / all weights.
 - `mezo_full`: MeZO on all weights.
 - `hizoo_lora`: HiZOO (`zo_optimizer="hizoo"`, diagonal curvature preconditioner, three forwards per step) on LoRA.
+- `mezo_layernorm`: MeZO on the LayerNorm weights and biases only (PEFT's `LNTuningConfig`), 10k parameters.
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
@@ -64,6 +65,13 @@ VARIANTS: dict[str, dict] = {
     "lozo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "lozo"},
     "hizoo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "hizoo"},
     "mezo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "zo_sgd"},
+    "mezo_layernorm": {
+        "method": "layernorm",
+        "learning_rate": 1e-6,
+        "zo_eps": 1e-3,
+        # the LayerNorm right before the mean pooling scales the head's inputs, which the first-order head already fits
+        "exclude_modules": ["encoder.layer.5.output.LayerNorm"],
+    },
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
 }
@@ -178,6 +186,7 @@ def split_heldout(train, heldout: int, seed: int):
 def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, evaluation) -> Trainer:
     spec = dict(spec)
     method = spec.pop("method")
+    exclude_modules = spec.pop("exclude_modules", None)
     torch.manual_seed(options.seed)
     model = load_sequence_classifier(options.model, num_labels=2)
     common = dict(
@@ -206,6 +215,13 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         from peft import LoraConfig, TaskType, get_peft_model
 
         model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, **LORA))
+    if method == "layernorm":
+        from peft import LNTuningConfig, TaskType, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=["LayerNorm"], exclude_modules=exclude_modules),
+        )
     return ZOTrainer(model=model, args=ZOConfig(**common, **spec), **kwargs)
 
 

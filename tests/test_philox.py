@@ -63,7 +63,12 @@ def test_philox_is_the_standard_philox4x32_10(counter, key, expected):
 @pytest.mark.parametrize("gaussian", [True, False])
 @pytest.mark.parametrize(
     "seed, index, start, numel",
-    [(123, 4, 0, 5000), (2**63 - 5, 7, 1000, 3001), (99, 2**40 + 3, 2**33 + 17, 4099)],
+    [
+        (123, 4, 0, 5000),
+        (2**63 - 5, 7, 1000, 3001),
+        (99, 2**40 + 3, 2**33 + 17, 4099),
+        (5, 1, 2**34 - 1000, 3000),  # the block counter carries into its high word
+    ],
 )
 def test_compiled_kernel_is_bitwise_the_torch_reference(kernel, gaussian, seed, index, start, numel):
     out = torch.empty(numel)
