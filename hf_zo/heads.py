@@ -209,6 +209,10 @@ def fit_logistic_regression(
     features, then folds the standardisation back into ``(W, b)``. Without an intercept (a head Linear without
     bias) the features are only scaled, not centred, and the bias returned is zero.
 
+    A feature whose spread is below a thousandth of the median feature's is scaled as if it had that spread: a
+    near-constant feature (one that a LayerNorm scale of about zero switches off) then gets no large weight, which
+    would make the logits hypersensitive to the weights in front of it, and ZO perturbations of those weights with it.
+
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: weight `(num_classes, in_features)` and bias `(num_classes,)`, fp32.
     """
@@ -216,7 +220,8 @@ def fit_logistic_regression(
         raise ValueError(f"Labels must be in [0, {num_classes}), got values in [{labels.min()}, {labels.max()}].")
     x = features.double()
     mean = x.mean(0) if fit_intercept else torch.zeros_like(x[0])
-    std = (x - mean).pow(2).mean(0).sqrt().clamp_min(1e-6)
+    spread = (x - mean).pow(2).mean(0).sqrt()
+    std = spread.clamp_min(max(1e-3 * float(spread.median()), 1e-12))
     x = (x - mean) / std
     weight = torch.zeros(num_classes, x.shape[1], dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(num_classes, dtype=torch.float64, requires_grad=fit_intercept)

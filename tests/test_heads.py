@@ -64,6 +64,20 @@ def test_logistic_regression_separates_separable_features():
     assert ((features @ weight.T + bias).argmax(-1) == labels).all()
 
 
+def test_logistic_regression_gives_a_near_constant_feature_no_large_weight():
+    """A feature switched off upstream (spread 1e-9, e.g. behind a LayerNorm scale of ~0) is not standardised up to
+    the others' scale, even when its tiny variations follow the labels: its weight stays small, so the logits do not
+    hinge on it."""
+    generator = torch.Generator().manual_seed(0)
+    informative = torch.randn(400, 3, generator=generator, dtype=torch.float64)
+    noise = 2.0 * torch.randn(400, generator=generator, dtype=torch.float64)
+    labels = (informative @ torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64) + noise > 0).long()
+    switched_off = 0.3 + 1e-9 * (2.0 * labels.double() - 1.0)
+    weight, bias = fit_logistic_regression(torch.cat([informative, switched_off[:, None]], 1), labels, num_classes=2)
+    assert weight[:, 3].abs().max() < 1.0, weight
+    assert weight[:, :3].abs().max() > 0.1, weight  # the informative features are still used
+
+
 @pytest.mark.parametrize("use_peft", [False, True])
 def test_linear_probe_fits_the_head_on_frozen_features(use_peft):
     """Labels that are a linear function of the head's input are fitted exactly, and only the head changes."""
