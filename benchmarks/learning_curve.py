@@ -23,7 +23,8 @@ Variants (select with --variants):
 - `lozo_lora`, `lozo_full`: LOZO, low-rank perturbations (`zo_optimizer="lozo"`) on LoRA / all weights.
 - `mezo_full`: MeZO on all weights.
 - `hizoo_lora`: HiZOO (`zo_optimizer="hizoo"`, diagonal curvature preconditioner, three forwards per step) on LoRA.
-- `mezo_layernorm`: MeZO on the LayerNorm weights and biases only (PEFT's `LNTuningConfig`), 10k parameters.
+- `mezo_layernorm`: MeZO on the LayerNorm weights and biases only (PEFT's `LNTuningConfig`; 10k parameters), lr 3e-4,
+  eps 1e-3; `exclude_modules` (a list) leaves some LayerNorms out.
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
@@ -65,13 +66,7 @@ VARIANTS: dict[str, dict] = {
     "lozo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "lozo"},
     "hizoo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "hizoo"},
     "mezo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "zo_sgd"},
-    "mezo_layernorm": {
-        "method": "layernorm",
-        "learning_rate": 1e-6,
-        "zo_eps": 1e-3,
-        # the LayerNorm right before the mean pooling scales the head's inputs, which the first-order head already fits
-        "exclude_modules": ["encoder.layer.5.output.LayerNorm"],
-    },
+    "mezo_layernorm": {"method": "layernorm", "learning_rate": 3e-4, "zo_eps": 1e-3, "exclude_modules": None},
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
 }
