@@ -107,7 +107,10 @@ class ModelArguments:
     )
     peft: str | None = field(
         default=None,
-        metadata={"help": "PEFT method (default: full fine-tuning).", "choices": ["lora", "prefix", "prompt"]},
+        metadata={
+            "help": "PEFT method (default: full fine-tuning); ln_tuning: the normalisation layers only.",
+            "choices": ["lora", "ln_tuning", "prefix", "prompt"],
+        },
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
@@ -310,9 +313,22 @@ def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
     return "prompt_classification" if causal else "classification"
 
 
+def norm_module_names(model: torch.nn.Module) -> list[str]:
+    """The last name components of the model's normalisation layers (`nn.LayerNorm` and modules whose class name
+    ends in LayerNorm or RMSNorm), for PEFT's `target_modules`: PEFT finds them only for model types it knows."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if name
+            and (isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm")))
+        }
+    )
+
+
 def build_peft_config(model_args: ModelArguments, task_type: str, model):
     """The PEFT config of `--peft` (a classifier's head goes to `modules_to_save`, trained with the adapter)."""
-    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
+    from peft import LNTuningConfig, LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     peft_task = TaskType.SEQ_CLS if task_type == "classification" else TaskType.CAUSAL_LM
@@ -328,6 +344,8 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
             lora_dropout=model_args.lora_dropout,
             target_modules=target_modules,
         )
+    if model_args.peft == "ln_tuning":
+        return LNTuningConfig(task_type=peft_task, target_modules=norm_module_names(model))
     if model_args.peft == "prefix":
         return PrefixTuningConfig(task_type=peft_task, num_virtual_tokens=model_args.num_virtual_tokens)
     init = PromptTuningInit.TEXT if model_args.prompt_init_text else PromptTuningInit.RANDOM

@@ -104,7 +104,7 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("peft", [None, "lora"])
+@pytest.mark.parametrize("peft", [None, "lora", "ln_tuning"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
     model_dir, extension, extra = KINDS[kind]
@@ -147,8 +147,14 @@ def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
         assert torch.equal(tensor, reloaded_state[name]), name
     if peft is None:
         assert any(not torch.equal(t, original[n]) for n, t in reloaded_state.items() if n in original)
-    else:
+    elif peft == "lora":
         assert any("lora_B" in n and bool(t.abs().sum() > 0) for n, t in reloaded_state.items())
+    else:  # the trained copies of the norm layers moved away from the originals
+        tuned = {n: t for n, t in reloaded_state.items() if ".ln_tuning_layers." in n}
+        originals = [
+            original[n.replace(".ln_tuning_layers.default", "").removeprefix("base_model.model.")] for n in tuned
+        ]
+        assert tuned and any(not torch.equal(t, o) for t, o in zip(tuned.values(), originals))
     trainer.model = trainer.model_wrapped = reloaded.eval()
     again = trainer.evaluate()
     for key in ("eval_loss", "eval_accuracy"):
