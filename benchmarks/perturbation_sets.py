@@ -73,8 +73,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def body_parameters(model: torch.nn.Module, select) -> dict[str, torch.nn.Parameter]:
-    return {n: p for n, p in model.named_parameters() if "classifier" not in n and select(n)}
+def body_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Every parameter but the head's (which `ZOTrainer` trains first-order), by name."""
+    return {n: p for n, p in model.named_parameters() if "classifier" not in n}
 
 
 def gradient_statistics(model, params: dict, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +156,7 @@ def main() -> None:
     curvature_batches = list(loader(shuffled.select(range(options.curvature_examples)), 64))
     stats = {}
     for kind, model in models.items():
-        params = body_parameters(model, lambda n: True)
+        params = body_parameters(model)
         squares, total = gradient_statistics(model, params, batches)
         stats[kind] = (params, squares, total)
 
@@ -171,7 +172,7 @@ def main() -> None:
         noise_trace = (mean_square - float(mean.pow(2).sum())) * n / (n - 1)
         grad_square = float(mean.pow(2).sum()) - noise_trace / n
         model = models[kind].double()
-        chosen = [p for i, p in enumerate(params.values()) if i in set(keep)]
+        chosen = [p for key, p in params.items() if select(key)]
         eps = 1e-3 if kind == "base" else 1e-2
         trace, trace_error = curvature(model, chosen, curvature_batches, eps, options.directions, options.seed)
         models[kind].float()
