@@ -80,14 +80,15 @@ inline uint32_t float_to_bits(float value) {
 
 // sqrt(-2 log u) for u = ((a >> 8) + 1) / 2^24 in (0, 1]: Cephes logf after an exact frexp.
 __attribute__((always_inline)) inline float box_muller_radius(uint32_t a) {
-  const float u = static_cast<float>((a >> 8) + 1u) * kTwoPow24Inv;
+  const float u = static_cast<float>(static_cast<int32_t>((a >> 8) + 1u)) * kTwoPow24Inv;  // exact: at most 2^24
   const uint32_t bits = float_to_bits(u);
   int32_t exponent = static_cast<int32_t>(bits >> 23) - 126;
-  const float mantissa = bits_to_float((bits & 0x007FFFFFu) | 0x3F000000u);  // in [0.5, 1)
-  // Mantissas below sqrt(1/2) are doubled (exactly) so that x = mantissa - 1 stays in [-0.29, 0.41).
-  const int32_t low = mantissa < kSqrtHalf ? 1 : 0;
+  const uint32_t mantissa_bits = (bits & 0x007FFFFFu) | 0x3F000000u;  // in [0.5, 1)
+  // Mantissas below sqrt(1/2) are doubled (exactly, by raising the exponent field) so that x = mantissa - 1 stays in
+  // [-0.29, 0.41).
+  const int32_t low = bits_to_float(mantissa_bits) < kSqrtHalf ? 1 : 0;
   exponent -= low;
-  const float x = mantissa * static_cast<float>(1 + low) - 1.0f;
+  const float x = bits_to_float(mantissa_bits + (static_cast<uint32_t>(low) << 23)) - 1.0f;
   const float z = x * x;
   float y = kLogP0;
   y = y * x + kLogP1;
