@@ -30,6 +30,7 @@ import dataclasses
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,10 @@ from transformers import (
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
+
+# PEFT's LN-tuning layer asks each norm for in/out features, which norms do not have, and warns "Unsupported layer
+# type" for every one: expected with --peft ln_tuning, and nothing to act on.
+warnings.filterwarnings("ignore", message=r"Unsupported layer type .*(LayerNorm|RMSNorm)", category=UserWarning)
 
 # ---------------------------------------------------------------------- tasks
 
