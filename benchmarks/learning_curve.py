@@ -25,6 +25,8 @@ Variants (select with --variants):
 - `hizoo_lora`: HiZOO (`zo_optimizer="hizoo"`, diagonal curvature preconditioner, three forwards per step) on LoRA.
 - `mezo_layernorm`: MeZO on the LayerNorm weights and biases only (PEFT's `LNTuningConfig`; 10k parameters), lr 3e-4,
   eps 1e-3; `exclude_modules` (a list) leaves some LayerNorms out.
+- `mezo_norms_biases`: MeZO on the LayerNorms and every bias (BitFit's biases plus LN tuning; 31k parameters,
+  trainable by `requires_grad`), lr 3e-4, eps 1e-3.
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
@@ -67,6 +69,7 @@ VARIANTS: dict[str, dict] = {
     "hizoo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2, "zo_optimizer": "hizoo"},
     "mezo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "zo_sgd"},
     "mezo_layernorm": {"method": "layernorm", "learning_rate": 3e-4, "zo_eps": 1e-3, "exclude_modules": None},
+    "mezo_norms_biases": {"method": "norms_and_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
 }
@@ -217,6 +220,11 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
             model,
             LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=["LayerNorm"], exclude_modules=exclude_modules),
         )
+    if method == "norms_and_biases":
+        for parameter_name, parameter in model.named_parameters():
+            parameter.requires_grad_(
+                parameter_name.startswith("classifier") or parameter_name.endswith(("bias", "LayerNorm.weight"))
+            )
     return ZOTrainer(model=model, args=ZOConfig(**common, **spec), **kwargs)
 
 
