@@ -22,8 +22,9 @@ def _launch(output_dir: Path, slow: bool) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
 
-def _run_to_completion(output_dir: Path) -> dict:
-    process = _launch(output_dir, slow=False)
+def _run_to_completion(output_dir: Path, process: subprocess.Popen | None = None) -> dict:
+    """Let a run (started here unless `process` is given) finish; return its final weights."""
+    process = process or _launch(output_dir, slow=False)
     out, _ = process.communicate(timeout=300)
     assert process.returncode == 0 and "DONE" in out, out
     return torch.load(output_dir / "final_state.pt", weights_only=True)
@@ -42,7 +43,8 @@ def _check_last_checkpoint_loads(output_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_during_training_and_saves_then_resume_is_bitwise(tmp_path):
-    reference = _run_to_completion(tmp_path / "reference")
+    # The uninterrupted reference runs beside the kills (each process has one thread; the machine has two cores).
+    reference_process = _launch(tmp_path / "reference", slow=False)
 
     crashed = tmp_path / "crashed"
     rng = random.Random(0)
@@ -70,6 +72,7 @@ def test_sigkill_during_training_and_saves_then_resume_is_bitwise(tmp_path):
 
     assert kills["during_step"] >= 1 and kills["during_save"] >= 1, kills
     print(f"kills: {kills}")
+    reference = _run_to_completion(tmp_path / "reference", reference_process)
     resumed = _run_to_completion(crashed)
     for name, value in reference.items():
         assert torch.equal(value, resumed[name]), name

@@ -120,8 +120,8 @@ def assert_one_run(records: list[dict], out: Path, steps: int = 6) -> None:
     )
 
 
-def single_process_eval(argv: list[str]) -> dict[str, float]:
-    """The example's evaluation-only path (`--do_eval` alone), in this process with one thread like each rank."""
+def single_process(argv: list[str]) -> dict[str, float]:
+    """The example's `main()` in this process, with one intra-op thread like each rank; its final metrics."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -139,8 +139,7 @@ def test_lora_classifier_with_default_heads(minilm, files, tmp_path):
     # One process accumulating the two ranks' micro-batches trains the very same adapter and head (DESIGN
     # invariant 6, with the linear probe and the first-order head included).
     single = tmp_path / "single"
-    argv = classification_args(minilm, files, single, "--peft", "lora", "--gradient_accumulation_steps", "2")
-    _run([sys.executable, str(ROOT / "examples" / "train.py"), *argv])
+    single_process(classification_args(minilm, files, single, "--peft", "lora", "--gradient_accumulation_steps", "2"))
 
     distributed = load_file(out / "adapter_model.safetensors")
     accumulated = load_file(single / "adapter_model.safetensors")
@@ -148,8 +147,9 @@ def test_lora_classifier_with_default_heads(minilm, files, tmp_path):
     for name, tensor in distributed.items():
         assert torch.equal(tensor, accumulated[name]), name
 
-    # The saved adapter reloads through the example's evaluation-only path and scores what the launch reported.
-    evaluation = single_process_eval(
+    # The saved adapter reloads through the example's evaluation-only path (`--do_eval` alone) and scores what the
+    # launch reported.
+    evaluation = single_process(
         ["--model_name_or_path", str(out), "--task_name", "sst2", "--task_type", "classification"]
         + ["--validation_file", str(files / "validation.tsv"), "--do_eval"]
         + ["--output_dir", str(tmp_path / "eval"), "--report_to", "none", "--per_device_eval_batch_size", "8"]
@@ -164,7 +164,7 @@ def test_full_fine_tuning_classifier_with_default_heads(minilm, files, tmp_path)
     extra = ("--learning_rate", "1e-6", "--zo_eps", "1e-3")
     records = launch(tmp_path / "records", classification_args(minilm, files, out, *extra))
     assert_one_run(records, out)
-    evaluation = single_process_eval(
+    evaluation = single_process(
         ["--model_name_or_path", str(out), "--task_name", "sst2", "--task_type", "classification"]
         + ["--validation_file", str(files / "validation.tsv"), "--do_eval"]
         + ["--output_dir", str(tmp_path / "eval"), "--report_to", "none", "--per_device_eval_batch_size", "8"]
@@ -187,7 +187,7 @@ def test_causal_lm_tasks_with_an_eval_strategy_train(files, tmp_path, task_type)
     assert_one_run(records, out)
     reloaded = type(tiny_causal_lm("opt")).from_pretrained(out)
     assert reloaded.config.vocab_size == tiny_causal_lm("opt").config.vocab_size
-    evaluation = single_process_eval(
+    evaluation = single_process(
         ["--model_name_or_path", str(out), "--task_type", task_type, *data, "--do_eval"]
         + ["--output_dir", str(tmp_path / "eval"), "--report_to", "none", "--per_device_eval_batch_size", "8"]
     )
