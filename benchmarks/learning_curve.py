@@ -216,10 +216,11 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
     if method == "layernorm":
         from peft import LNTuningConfig, TaskType, get_peft_model
 
-        model = get_peft_model(
-            model,
-            LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=["LayerNorm"], exclude_modules=exclude_modules),
-        )
+        from hf_zo.norm_tuning import norm_module_names
+
+        norms = norm_module_names(model)  # ["LayerNorm"] on all-MiniLM-L6-v2
+        config = LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=norms, exclude_modules=exclude_modules)
+        model = get_peft_model(model, config)
     if method == "norms_and_biases":
         for parameter_name, parameter in model.named_parameters():
             parameter.requires_grad_(

@@ -55,6 +55,7 @@ SECTIONS = [
     ("Noise kernel (Philox-4x32-10 + Box-Muller)", "hf_zo.philox", None),
     ("Classification heads", "hf_zo.heads", None),
     ("Sentence-encoder classifiers", "hf_zo.pooled_classifier", None),
+    ("Norm tuning (PEFT `LNTuningConfig` on any model)", "hf_zo.norm_tuning", None),
     ("Metrics", "hf_zo.metrics", None),
     ("Execution engines", "hf_zo.engine", None),
     ("Offload", "hf_zo.offload", None),

@@ -47,6 +47,7 @@ from transformers import (
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
+from hf_zo.norm_tuning import norm_module_names
 
 # PEFT's LN-tuning layer asks each norm for in/out features, which norms do not have, and warns "Unsupported layer
 # type" for every one: expected with --peft ln_tuning, and nothing to act on.
@@ -316,19 +317,6 @@ def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
     architectures = AutoConfig.from_pretrained(model_args.model_name_or_path).architectures or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
     return "prompt_classification" if causal else "classification"
-
-
-def norm_module_names(model: torch.nn.Module) -> list[str]:
-    """The last name components of the model's normalisation layers (`nn.LayerNorm` and modules whose class name
-    ends in LayerNorm or RMSNorm), for PEFT's `target_modules`: PEFT finds them only for model types it knows."""
-    return sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, module in model.named_modules()
-            if name
-            and (isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(("LayerNorm", "RMSNorm")))
-        }
-    )
 
 
 def build_peft_config(model_args: ModelArguments, task_type: str, model):

@@ -2,9 +2,19 @@
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+from peft import (
+    LNTuningConfig,
+    LoraConfig,
+    PeftModel,
+    PrefixTuningConfig,
+    PromptTuningConfig,
+    TaskType,
+    get_peft_model,
+)
+from transformers import BertForSequenceClassification
 
 from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.norm_tuning import is_norm_module, norm_module_names
 
 from tiny_models import lm_dataset, tiny_bert_classifier, tiny_causal_lm
 
@@ -69,3 +79,55 @@ def test_sequence_classification_lora_with_head(tmp_path):
     ZOTrainer(model=model, args=args, train_dataset=classification_dataset(8)).train()
     for name in head:
         assert not torch.equal(dict(model.named_parameters())[name], before[name])
+
+
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        (tiny_bert_classifier, ["LayerNorm"]),
+        (lambda: tiny_causal_lm("opt"), ["final_layer_norm", "self_attn_layer_norm"]),
+        (lambda: tiny_causal_lm("llama"), ["input_layernorm", "norm", "post_attention_layernorm"]),
+    ],
+    ids=["bert", "opt", "llama"],
+)
+def test_norm_module_names_make_ln_tuning_train_exactly_the_norms(build, expected):
+    model = build()
+    assert norm_module_names(model) == expected
+    norm_weights = {
+        f"{path}.{name}"
+        for path, module in model.named_modules()
+        if is_norm_module(module)
+        for name, _ in module.named_parameters()
+    }
+    assert norm_weights
+    task = TaskType.SEQ_CLS if isinstance(model, BertForSequenceClassification) else TaskType.CAUSAL_LM
+    tuned = get_peft_model(model, LNTuningConfig(task_type=task, target_modules=norm_module_names(model)))
+    trainable = {
+        name.removeprefix("base_model.model.").replace(".ln_tuning_layers.default", "")
+        for name, param in tuned.named_parameters()
+        if param.requires_grad and ".ln_tuning_layers." in name
+    }
+    assert trainable == norm_weights
+
+
+def test_norm_module_names_never_select_a_module_that_shares_a_norms_name():
+    class SharedName(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(4)
+            self.block = torch.nn.Module()
+            self.block.norm = torch.nn.Linear(4, 4)  # not a norm, but named like one
+            self.block.out = torch.nn.RMSNorm(4)
+
+    names = norm_module_names(SharedName())
+    assert names == "block\\.out|norm"
+    tuned = get_peft_model(SharedName(), LNTuningConfig(target_modules=names))
+    assert not any(p.requires_grad for n, p in tuned.named_parameters() if "block.norm" in n)
+    assert {n for n, p in tuned.named_parameters() if p.requires_grad} == {
+        f"base_model.model.{path}.ln_tuning_layers.default.weight" for path in ("norm", "block.out")
+    } | {"base_model.model.norm.ln_tuning_layers.default.bias"}
+
+
+def test_norm_module_names_without_norms_says_so():
+    with pytest.raises(ValueError, match="Sequential has no normalisation layer.*LoRA"):
+        norm_module_names(torch.nn.Sequential(torch.nn.Linear(2, 2)))
