@@ -36,6 +36,7 @@ SECTIONS = [
         ["ZOTrainer", "ZOFlushCallback", "build_zo_optimizer", "unwrap_zo_optimizer"],
     ),
     ("", "hf_zo.config", ["ZOConfig"]),
+    ("Learning rate and eps by method", "hf_zo.defaults", None),
     ("Optimizers", "hf_zo.optim", None),
     ("Estimator", "hf_zo.estimator", ["ZORecord", "LazyParameters", "SPSAEstimator", "make_record"]),
     (

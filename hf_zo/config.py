@@ -23,9 +23,10 @@ class ZOConfig(TrainingArguments):
 
     Parameters that control the zeroth-order estimate:
 
-        zo_eps (`float`, *optional*, defaults to `1e-3`):
-            Perturbation scale `eps` of the two-point estimate `(L(θ + eps z) - L(θ - eps z)) / (2 eps)`. MeZO
-            uses 1e-3 for full fine-tuning, 1e-2 for LoRA and 1e-1 for prefix tuning.
+        zo_eps (`float`, *optional*):
+            Perturbation scale `eps` of the two-point estimate `(L(θ + eps z) - L(θ - eps z)) / (2 eps)`. Default:
+            by what the model trains (`hf_zo.defaults`), MeZO's 1e-3 for all weights, 1e-2 for LoRA and 1e-1 for
+            prefix and prompt tuning, and 1e-3 for the norm layers (PEFT's LN tuning).
         zo_num_perturbations (`int`, *optional*, defaults to `1`):
             Perturbations `q` per micro-batch; each costs two forward passes. Gradient accumulation adds more.
         zo_noise (`str`, *optional*, defaults to `"gaussian"`):
@@ -136,6 +137,11 @@ class ZOConfig(TrainingArguments):
 
     Defaults changed from `TrainingArguments`:
 
+        learning_rate (`float`, *optional*):
+            Default: by what the model trains (`hf_zo.defaults`), since ZO learning rates differ by orders of
+            magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA and 1e-3 for prefix
+            and prompt tuning, and 3e-4 for the norm layers (PEFT's LN tuning, measured on all-MiniLM-L6-v2).
+            `ZOTrainer` fills it in (and `zo_eps`) when it gets the model; another PEFT method needs both set.
         max_grad_norm (`float`, defaults to `0.0`):
             ZO has no gradients to clip; any value is a no-op.
         lr_scheduler_type (`str`, defaults to `"constant"`):
@@ -144,7 +150,9 @@ class ZOConfig(TrainingArguments):
             A ZO loss is the mean over its micro-batch, so the per-step all-gather of token counts is not needed.
     """
 
-    zo_eps: float = field(default=1e-3, metadata={"help": "Perturbation scale eps of the two-point estimate."})
+    zo_eps: float | None = field(
+        default=None, metadata={"help": "Perturbation scale eps of the two-point estimate (default: by method)."}
+    )
     zo_num_perturbations: int = field(default=1, metadata={"help": "Perturbations q per micro-batch."})
     zo_noise: str = field(
         default="gaussian", metadata={"help": "Noise distribution.", "choices": list(NOISE_DISTRIBUTIONS)}
@@ -205,6 +213,9 @@ class ZOConfig(TrainingArguments):
     zo_offload_sliced_upload: bool = field(
         default=False, metadata={"help": "PertP ranks each upload 1/p of a block and all-gather it (DistZO2)."}
     )
+    learning_rate: float | None = field(
+        default=None, metadata={"help": "ZO learning rate (default: by method: 1e-6 full, 1e-4 LoRA, 3e-4 LN tuning)."}
+    )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
     average_tokens_across_devices: bool = field(
@@ -261,8 +272,18 @@ class ZOConfig(TrainingArguments):
 
     def _validate_zo_arguments(self) -> None:
         self._validate_zo_engine_arguments()
-        if not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
-            raise ValueError(f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix).")
+        if self.zo_eps is not None and not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
+            raise ValueError(
+                f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix), and left unset it "
+                "follows the model's method."
+            )
+        if self.learning_rate is not None and not (
+            isinstance(self.learning_rate, (int, float)) and self.learning_rate >= 0
+        ):
+            raise ValueError(
+                f"learning_rate must be >= 0, got {self.learning_rate!r}; MeZO uses 1e-6 (full) to 1e-3 (prefix), "
+                "and left unset it follows the model's method."
+            )
         if self.zo_optimizer not in ZO_OPTIMIZERS:
             raise ValueError(f"Unknown zo_optimizer {self.zo_optimizer!r}; choose one of {sorted(ZO_OPTIMIZERS)}.")
         if self.zo_noise not in NOISE_DISTRIBUTIONS:

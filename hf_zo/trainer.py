@@ -8,6 +8,7 @@ evaluation, callbacks, checkpoints, model cards, `push_to_hub`) is `Trainer`'s o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -22,6 +23,7 @@ from transformers.utils import logging
 
 from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
 from .config import ZOConfig
+from .defaults import fill_method_defaults
 from .engine import DualEngine
 from .heads import ZOHeads, prepare_zo_heads
 from .noise import Noise
@@ -86,6 +88,11 @@ class ZOTrainer(Trainer):
             args = _to_zo_config(args)
         if model is not None and train_dataset is not None:  # a model loaded to be evaluated may be frozen
             _check_trainable(model)
+        if args.learning_rate is None or args.zo_eps is None:
+            # Filled in by method, here when training is in view or else in create_optimizer; the caller's stay unset.
+            args = copy.copy(args)
+            if model is not None and train_dataset is not None:
+                fill_method_defaults(args, model)
         # The plugin holds the execution layout, offload included. It fails now, not at train(), on a bad layout,
         # and destroys the process groups at exit.
         self.zo_plugin = DistZOPlugin.from_zo_config(args)
@@ -195,6 +202,7 @@ class ZOTrainer(Trainer):
         groups[True]["weight_decay"] = self.args.weight_decay
         groups[False]["weight_decay"] = 0.0
         param_groups = [g for g in groups.values() if g["params"]]
+        fill_method_defaults(self.args, model)  # a model from `model_init`
         self.optimizer = build_zo_optimizer(self.args, param_groups)
         self.zo_plugin.prepare_optimizer(self.optimizer)
         self._attach_zo_engine(self.optimizer)

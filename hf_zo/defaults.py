@@ -1,0 +1,83 @@
+"""The learning rate and eps that `ZOConfig` uses when they are left unset: chosen by what the model trains.
+
+ZO learning rates differ by orders of magnitude between fine-tuning methods (MeZO: 1e-6 for all weights, 1e-4 for
+LoRA, 1e-3 for prefix tuning), so no single number can be `TrainingArguments`' 5e-5: for all weights it diverges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["METHOD_DEFAULTS", "MethodDefaults", "fill_method_defaults", "trained_method"]
+
+
+@dataclass(frozen=True)
+class MethodDefaults:
+    """The ZO learning rate and eps for one fine-tuning method, and where they come from."""
+
+    learning_rate: float
+    zo_eps: float
+    source: str
+
+
+METHOD_DEFAULTS: dict[str, MethodDefaults] = {
+    "full": MethodDefaults(1e-6, 1e-3, "MeZO's grid for full fine-tuning"),
+    "lora": MethodDefaults(1e-4, 1e-2, "MeZO's grid for LoRA"),
+    "ln_tuning": MethodDefaults(3e-4, 1e-3, "measured on all-MiniLM-L6-v2 with held-out SST-2 phrases"),
+    "prefix": MethodDefaults(1e-3, 1e-1, "MeZO's grid for prefix tuning"),
+}
+"""Defaults by method (docs/hyperparameters.md has the measurements)."""
+
+# PEFT's method names (`PeftType` values) that train like the methods above.
+_PEFT_METHODS = {
+    "LORA": "lora",
+    "ADALORA": "lora",
+    "LOHA": "lora",
+    "LOKR": "lora",
+    "LN_TUNING": "ln_tuning",
+    "PREFIX_TUNING": "prefix",
+    "PROMPT_TUNING": "prefix",
+    "P_TUNING": "prefix",
+}
+
+
+def trained_method(model: nn.Module) -> str:
+    """The key of :data:`METHOD_DEFAULTS` for what `model` trains: its PEFT method, or ``"full"`` without PEFT.
+
+    Raises:
+        ValueError: for a PEFT method without measured defaults.
+    """
+    peft_config = getattr(model, "active_peft_config", None)  # a peft.PeftModel
+    if peft_config is None and getattr(model, "_hf_peft_config_loaded", False):  # transformers' `add_adapter`
+        peft_config = model.peft_config[model.active_adapters()[0]]
+    if peft_config is None:
+        return "full"
+    peft_type = getattr(peft_config.peft_type, "value", peft_config.peft_type)
+    if peft_type not in _PEFT_METHODS:
+        raise ValueError(
+            f"ZOConfig has no default learning_rate or zo_eps for the PEFT method {peft_type}; set both (for example "
+            "learning_rate=1e-4, zo_eps=1e-2 as for LoRA, then tune them; docs/hyperparameters.md)."
+        )
+    return _PEFT_METHODS[peft_type]
+
+
+def fill_method_defaults(args, model: nn.Module) -> None:
+    """Set `args.learning_rate` and `args.zo_eps` that are ``None`` to the defaults of what `model` trains.
+
+    Values the user set are kept; the ones filled in are logged, and later logs, checkpoints and trajectories
+    carry them like set values.
+    """
+    unset = [name for name in ("learning_rate", "zo_eps") if getattr(args, name) is None]
+    if not unset:
+        return
+    method = trained_method(model)
+    defaults = METHOD_DEFAULTS[method]
+    for name in unset:
+        setattr(args, name, getattr(defaults, name))
+    chosen = ", ".join(f"{name}={getattr(defaults, name):g}" for name in unset)
+    logger.info(f"ZOConfig: {chosen} for method {method!r} ({defaults.source}); set them to override.")

@@ -1,0 +1,95 @@
+"""The learning rate and eps `ZOConfig` leaves unset are chosen by what the model trains (hf_zo.defaults)."""
+
+import pytest
+from peft import IA3Config, LNTuningConfig, LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
+
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.defaults import METHOD_DEFAULTS, trained_method
+from hf_zo.norm_tuning import norm_module_names
+
+from tiny_models import lm_dataset, tiny_causal_lm
+
+
+def _config(tmp_path, **overrides) -> ZOConfig:
+    return ZOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, **overrides)
+
+
+def _lora():
+    return get_peft_model(
+        tiny_causal_lm("opt"), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj"])
+    )
+
+
+def _ln_tuning():
+    model = tiny_causal_lm("opt")
+    return get_peft_model(model, LNTuningConfig(task_type=TaskType.CAUSAL_LM, target_modules=norm_module_names(model)))
+
+
+def _prefix():
+    return get_peft_model(
+        tiny_causal_lm("opt"), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=2)
+    )
+
+
+def _transformers_adapter():
+    """What transformers' `model.add_adapter(LoraConfig(...))` leaves on the model (it needs peft >= 0.22)."""
+    model = tiny_causal_lm("opt")
+    model._hf_peft_config_loaded = True
+    model.peft_config = {"default": LoraConfig(r=2, target_modules=["q_proj"])}
+    model.active_adapters = lambda: ["default"]
+    return model
+
+
+@pytest.mark.parametrize(
+    "build, method",
+    [
+        (lambda: tiny_causal_lm("opt"), "full"),
+        (_lora, "lora"),
+        (_transformers_adapter, "lora"),
+        (_ln_tuning, "ln_tuning"),
+        (_prefix, "prefix"),
+    ],
+    ids=["full", "lora", "add_adapter", "ln_tuning", "prefix"],
+)
+def test_unset_learning_rate_and_eps_come_from_the_trained_method(tmp_path, build, method):
+    model = build()
+    assert trained_method(model) == method
+    args = _config(tmp_path)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(4))
+    expected = METHOD_DEFAULTS[method]
+    assert (trainer.args.learning_rate, trainer.args.zo_eps) == (expected.learning_rate, expected.zo_eps)
+    optimizer = trainer.create_optimizer()
+    assert {group["lr"] for group in optimizer.param_groups} == {expected.learning_rate}
+    assert trainer.zo_optimizer.eps == expected.zo_eps
+    assert args.learning_rate is None and args.zo_eps is None  # the caller's config can serve another model
+
+
+def test_values_the_user_set_are_kept(tmp_path):
+    trainer = ZOTrainer(model=_lora(), args=_config(tmp_path, learning_rate=3e-5), train_dataset=lm_dataset(4))
+    assert trainer.args.learning_rate == 3e-5
+    assert trainer.args.zo_eps == METHOD_DEFAULTS["lora"].zo_eps  # the unset one still follows the method
+    trainer = ZOTrainer(model=_lora(), args=_config(tmp_path, zo_eps=1e-3), train_dataset=lm_dataset(4))
+    assert (trainer.args.learning_rate, trainer.args.zo_eps) == (METHOD_DEFAULTS["lora"].learning_rate, 1e-3)
+
+
+def test_a_model_from_model_init_gets_its_defaults_when_training_starts(tmp_path):
+    trainer = ZOTrainer(model_init=_lora, args=_config(tmp_path), train_dataset=lm_dataset(4))
+    trainer.train()
+    assert trainer.args.learning_rate == METHOD_DEFAULTS["lora"].learning_rate
+    assert trainer.zo_optimizer.param_groups[0]["lr"] == METHOD_DEFAULTS["lora"].learning_rate
+
+
+def test_a_peft_method_without_defaults_asks_for_both_values(tmp_path):
+    model = get_peft_model(tiny_causal_lm("opt"), IA3Config(task_type=TaskType.CAUSAL_LM, target_modules=["fc1"]))
+    with pytest.raises(ValueError, match="PEFT method IA3; set both .*learning_rate=1e-4, zo_eps=1e-2"):
+        ZOTrainer(model=model, args=_config(tmp_path), train_dataset=lm_dataset(4))
+    trainer = ZOTrainer(model=model, args=_config(tmp_path, learning_rate=1e-3, zo_eps=1e-2))
+    assert trainer.args.learning_rate == 1e-3
+    # Evaluation needs no learning rate: a trainer built without training data does not ask for one.
+    assert ZOTrainer(model=model, args=_config(tmp_path), eval_dataset=lm_dataset(4)).args.learning_rate is None
+
+
+@pytest.mark.parametrize("field, value", [("learning_rate", -1e-4), ("learning_rate", "fast"), ("zo_eps", 0.0)])
+def test_bad_learning_rate_or_eps_fail_at_construction(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        _config(tmp_path, **{field: value})
