@@ -222,10 +222,16 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         config = LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=norms, exclude_modules=exclude_modules)
         model = get_peft_model(model, config)
     if method == "norms_and_biases":
-        for parameter_name, parameter in model.named_parameters():
-            parameter.requires_grad_(
-                parameter_name.startswith("classifier") or parameter_name.endswith(("bias", "LayerNorm.weight"))
-            )
+        from hf_zo.norm_tuning import is_norm_module
+
+        norm_weights = {
+            f"{path}.{name}" if path else name
+            for path, module in model.named_modules()
+            if is_norm_module(module)
+            for name, _ in module.named_parameters(recurse=False)
+        }
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.startswith("classifier") or name.endswith("bias") or name in norm_weights)
     return ZOTrainer(model=model, args=ZOConfig(**common, **spec), **kwargs)
 
 
