@@ -30,6 +30,8 @@ Variants (select with --variants):
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
+- `adamw_layernorm`: first-order AdamW on the LayerNorms and the head only (the weights `mezo_layernorm` trains),
+  head from its random initialisation, lr 1e-3: how far training these weights can go at all.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from hf_zo.metrics import build_compute_metrics  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
-# name: what is trained ("lora", "full" or "adamw") and the ZOConfig (or TrainingArguments) fields of the run
+# name: what is trained ("lora", "full", "layernorm", "norms_and_biases", "adamw" or "adamw_layernorm") and the
+# ZOConfig (or TrainingArguments) fields of the run
 VARIANTS: dict[str, dict] = {
     "mezo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2},
     "mezo_lora_q4": {
@@ -72,6 +75,7 @@ VARIANTS: dict[str, dict] = {
     "mezo_norms_biases": {"method": "norms_and_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
+    "adamw_layernorm": {"method": "adamw_layernorm", "learning_rate": 1e-3},
 }
 
 
@@ -209,18 +213,15 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
     )
     if method == "adamw":
         return Trainer(model=model, args=TrainingArguments(**common, **spec), **kwargs)
+    if method == "adamw_layernorm":
+        model = _layernorm_tuned(model, exclude_modules)
+        return Trainer(model=model, args=TrainingArguments(**common, **spec), **kwargs)
     if method == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
 
         model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, **LORA))
     if method == "layernorm":
-        from peft import LNTuningConfig, TaskType, get_peft_model
-
-        from hf_zo.norm_tuning import norm_module_names
-
-        norms = norm_module_names(model)  # ["LayerNorm"] on all-MiniLM-L6-v2
-        config = LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=norms, exclude_modules=exclude_modules)
-        model = get_peft_model(model, config)
+        model = _layernorm_tuned(model, exclude_modules)
     if method == "norms_and_biases":
         from hf_zo.norm_tuning import is_norm_module
 
@@ -233,6 +234,17 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name.startswith("classifier") or name.endswith("bias") or name in norm_weights)
     return ZOTrainer(model=model, args=ZOConfig(**common, **spec), **kwargs)
+
+
+def _layernorm_tuned(model, exclude_modules: list[str] | None):
+    """`model` with PEFT's LN tuning on every norm layer but `exclude_modules` (the head trains as well)."""
+    from peft import LNTuningConfig, TaskType, get_peft_model
+
+    from hf_zo.norm_tuning import norm_module_names
+
+    norms = norm_module_names(model)  # ["LayerNorm"] on all-MiniLM-L6-v2
+    config = LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=norms, exclude_modules=exclude_modules)
+    return get_peft_model(model, config)
 
 
 def run(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, evaluation) -> dict:
@@ -274,7 +286,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
         steps = [p["step"] for p in result["curve"]]
         minutes = [p["train_seconds"] / 60 for p in result["curve"]]
         accuracy = [100 * p["accuracy"] for p in result["curve"]]
-        style = dict(linestyle="--" if result["spec"]["method"] == "adamw" else "-", marker="o", markersize=3)
+        style = dict(linestyle="--" if result["spec"]["method"].startswith("adamw") else "-", marker="o", markersize=3)
         by_step.plot(steps, accuracy, label=result["variant"], **style)
         by_time.plot(minutes, accuracy, label=result["variant"], **style)
         loss_by_time.plot(minutes, [p["loss"] for p in result["curve"]], label=result["variant"], **style)
@@ -282,7 +294,13 @@ def plot(results: list[dict], path: str, title: str) -> None:
     by_time.set(
         xlabel="training minutes (probe included, evaluation excluded)", ylim=(75, 90), title="against wall time"
     )
-    loss_by_time.set(xlabel="training minutes", ylabel="validation loss", ylim=(0.35, 0.55), title="validation loss")
+    lowest_loss = min(p["loss"] for result in results for p in result["curve"])
+    loss_by_time.set(
+        xlabel="training minutes",
+        ylabel="validation loss",
+        ylim=(min(0.35, lowest_loss - 0.01), 0.55),
+        title="validation loss",
+    )
     for axes in (by_step, by_time, loss_by_time):
         axes.grid(alpha=0.3)
     loss_by_time.legend(loc="upper right", fontsize=8)

@@ -18,6 +18,10 @@ random directions (what a ZO step sees), and prints one JSON line per set with l
 
     python benchmarks/perturbation_sets.py --data_dir ../shared/data/sst2
 
+`--per_tensor layernorm` also measures the three quantities tensor by tensor for that set and prints what
+weighting its tensors (per-tensor perturbation scales or per-tensor learning rates) would gain over isotropic
+perturbations at the best step.
+
 The second-order model ranks sets; it does not give a learning rate to use: the Hessian's trace comes from a few
 directions and the loss is far from quadratic along the directions that the linear-probed head amplifies (ZO on all
 LayerNorms diverged at a fifth of its lr*). docs/accuracy.md ("Which weights to perturb") has the figures.
@@ -69,6 +73,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--directions", type=int, default=16, help="Random directions of the curvature estimate.")
     parser.add_argument("--curvature_examples", type=int, default=512)
     parser.add_argument("--sets", default=",".join(SETS), help=f"Comma-separated subset of {list(SETS)}.")
+    parser.add_argument(
+        "--per_tensor",
+        default=None,
+        choices=[name for name, (kind, _) in SETS.items() if kind == "base"],
+        help="Also report this set tensor by tensor, with the gain of weighting its tensors.",
+    )
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()
 
@@ -90,6 +100,16 @@ def gradient_statistics(model, params: dict, batches: list[dict]) -> tuple[torch
         squares += torch.stack([g.pow(2).sum() for g in grads])
     model.zero_grad(set_to_none=True)
     return squares, flat
+
+
+def gradient_moments(params: dict, squares, total, keep: list[int], n: int) -> tuple[float, float, int]:
+    """|g_S|² and tr Σ_S of the parameters at positions `keep`, from `n` batches' statistics, and their count."""
+    offsets = torch.tensor([0] + [p.numel() for p in params.values()]).cumsum(0)
+    mean = torch.cat([total[offsets[i] : offsets[i + 1]] for i in keep]) / n
+    mean_square = float(squares[keep].sum()) / n
+    # Unbiased: E|ḡ|² = |g|² + tr Σ / n, E mean_b |g_b|² = |g|² + tr Σ.
+    noise_trace = (mean_square - float(mean.pow(2).sum())) * n / (n - 1)
+    return float(mean.pow(2).sum()) - noise_trace / n, noise_trace, int(mean.numel())
 
 
 @torch.no_grad()
@@ -155,38 +175,34 @@ def main() -> None:
     batches = [next(iterator) for _ in range(options.batches)]
     curvature_batches = list(loader(shuffled.select(range(options.curvature_examples)), 64))
     stats = {}
-    for kind, model in models.items():
+    kinds = {SETS[name][0] for name in options.sets.split(",")} | ({"base"} if options.per_tensor else set())
+    for kind in kinds:
+        model = models[kind]
         params = body_parameters(model)
         squares, total = gradient_statistics(model, params, batches)
         stats[kind] = (params, squares, total)
 
-    n = options.batches
     for name in options.sets.split(","):
         kind, select = SETS[name]
         params, squares, total = stats[kind]
         keep = [i for i, key in enumerate(params) if select(key)]
-        offsets = torch.tensor([0] + [p.numel() for p in params.values()]).cumsum(0)
-        mean = torch.cat([total[offsets[i] : offsets[i + 1]] for i in keep]) / n
-        mean_square = float(squares[keep].sum()) / n
-        # Unbiased: E|ḡ|² = |g|² + tr Σ / n, E mean_b |g_b|² = |g|² + tr Σ.
-        noise_trace = (mean_square - float(mean.pow(2).sum())) * n / (n - 1)
-        grad_square = float(mean.pow(2).sum()) - noise_trace / n
+        grad_square, noise_trace, numel = gradient_moments(params, squares, total, keep, options.batches)
         model = models[kind].double()
         chosen = [p for key, p in params.items() if select(key)]
         eps = 1e-3 if kind == "base" else 1e-2
         trace, trace_error = curvature(model, chosen, curvature_batches, eps, options.directions, options.seed)
         models[kind].float()
         # Both estimates at least twice their noise, else no learning rate follows from them.
-        resolved = trace > 2 * trace_error and grad_square > 2 * noise_trace / n
+        resolved = trace > 2 * trace_error and grad_square > 2 * noise_trace / options.batches
         lr = grad_square / ((grad_square + noise_trace) * trace) if resolved else None
         decrease = grad_square * lr / 2 if resolved else None
         print(
             json.dumps(
                 {
                     "set": name,
-                    "numel": int(mean.numel()),
+                    "numel": numel,
                     "grad_norm_sq": grad_square,
-                    "grad_norm_sq_noise_floor": noise_trace / n,
+                    "grad_norm_sq_noise_floor": noise_trace / options.batches,
                     "batch_noise_trace": noise_trace,
                     "hessian_trace": trace,
                     "hessian_trace_stderr": trace_error,
@@ -197,6 +213,60 @@ def main() -> None:
             ),
             flush=True,
         )
+
+    if options.per_tensor:
+        params, squares, total = stats["base"]
+        per_tensor_report(models["base"], params, squares, total, curvature_batches, options)
+
+
+def per_tensor_report(model, params: dict, squares, total, curvature_batches, options) -> None:
+    """One line per tensor of the set `options.per_tensor` (|g_t|², tr Σ_t, tr H_t), then what ZO-SGD's best step
+    would gain over isotropic perturbations by weighting the tensors: with per-tensor perturbation scales
+    (u_t = s_t z_t, w_t = s_t²: Δ = (Σ w G)² / (2 Σ w (G + S) Σ w H)) at the inverse mean curvature and at the
+    best weights, and with per-tensor learning rates (isotropic z, lr_t ∝ w_t: Δ = (Σ w G)² / (2 Σ (G + S) Σ w² H),
+    best at w ∝ G / H). Curvature in float32 along `--directions` Gaussian directions with eps 1e-2."""
+    _, select = SETS[options.per_tensor]
+    rows = []
+    for position, (name, param) in enumerate(params.items()):
+        if not select(name):
+            continue
+        grad_square, noise_trace, numel = gradient_moments(params, squares, total, [position], options.batches)
+        trace, error = curvature(model, [param], curvature_batches, 1e-2, options.directions, options.seed + position)
+        rows.append(
+            {"tensor": name, "numel": numel, "G": grad_square, "S": noise_trace, "H": trace, "H_stderr": error}
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"set": options.per_tensor, **weighting_gains(rows)}), flush=True)
+
+
+def weighting_gains(rows: list[dict]) -> dict:
+    """How much weighting the tensors of `rows` would raise ZO-SGD's best per-step loss decrease over isotropic
+    perturbations, in the second-order model. A tensor's curvature counts as at least twice its standard error: a
+    tensor whose curvature the directions did not resolve must not look flat (it would get unbounded weight)."""
+    G = torch.tensor([max(r["G"], 0.0) for r in rows], dtype=torch.float64)
+    S = torch.tensor([r["S"] for r in rows], dtype=torch.float64)
+    H = torch.tensor([max(r["H"], 2 * r["H_stderr"], 1e-12) for r in rows], dtype=torch.float64)
+    N = torch.tensor([r["numel"] for r in rows], dtype=torch.float64)
+
+    def scaled(w):
+        return float((w @ G) ** 2 / (2 * (w @ (G + S)) * (w @ H)))
+
+    def learning_rates(w):
+        return float((w @ G) ** 2 / (2 * (G + S).sum() * (w**2 @ H)))
+
+    isotropic = scaled(torch.ones_like(G))
+    # The scaled form is largest with all the weight on the tensor of largest G² / ((G + S) H).
+    best = int(torch.argmax(G**2 / ((G + S) * H)))
+    return {
+        "tensors": len(rows),
+        "curvature_resolved": sum(r["H"] > 2 * r["H_stderr"] for r in rows),
+        "isotropic": isotropic,
+        "scales_inverse_curvature": scaled(N / H) / isotropic,
+        "scales_best": scaled(torch.nn.functional.one_hot(torch.tensor(best), len(rows)).double()) / isotropic,
+        "scales_best_tensor": rows[best]["tensor"],
+        "learning_rates_inverse_curvature": learning_rates(N / H) / isotropic,
+        "learning_rates_best": learning_rates(G / H) / isotropic,
+    }
 
 
 if __name__ == "__main__":
