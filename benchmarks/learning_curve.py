@@ -211,10 +211,9 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=build_compute_metrics(["accuracy"]),
     )
-    if method == "adamw":
-        return Trainer(model=model, args=TrainingArguments(**common, **spec), **kwargs)
-    if method == "adamw_layernorm":
-        model = _layernorm_tuned(model, exclude_modules)
+    if method.startswith("adamw"):
+        if method == "adamw_layernorm":
+            model = _layernorm_tuned(model, exclude_modules)
         return Trainer(model=model, args=TrainingArguments(**common, **spec), **kwargs)
     if method == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
