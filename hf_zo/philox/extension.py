@@ -23,6 +23,11 @@ SOURCE = Path(__file__).with_name("philox.cpp")
 COMPILE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 """``-ffp-contract=off``: no fused multiply-add, so each float operation rounds once, as in the torch reference."""
 
+GCC_SCHEDULING_FLAGS = ["-fschedule-insns", "-fsched-pressure"]
+"""Added when the compiler is GCC: its pre-register-allocation scheduler, off by default on x86, interleaves the
+independent dependency chains of Philox and Box-Muller (10-20% faster; it reorders instructions, never changes a
+result). Clang runs its own scheduler before allocation by default and does not know these flags."""
+
 _lock = threading.Lock()
 _kernel: ModuleType | None = None
 _error: str | None = None
@@ -57,8 +62,11 @@ def _build(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
+    flags = list(COMPILE_FLAGS)
+    if cpp_extension.check_compiler_is_gcc(cpp_extension.get_cxx_compiler()):
+        flags += GCC_SCHEDULING_FLAGS
     return cpp_extension.load(
-        name=KERNEL_NAME, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=verbose, with_cuda=False
+        name=KERNEL_NAME, sources=[str(SOURCE)], extra_cflags=flags, verbose=verbose, with_cuda=False
     )
 
 
