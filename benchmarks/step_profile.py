@@ -131,13 +131,15 @@ def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, len
     }
 
 
-def generation_speed(numel: int = 1 << 22, repeats: int = 10) -> dict:
+def generation_speed(numel: int = 1 << 22, repeats: int = 25) -> dict:
     """ns per element of `torch.Tensor.normal_` and of the compiled kernel, on one thread and on all of torch's
-    threads (wall time, best of `repeats`).
+    threads (wall time).
 
     On one thread the kernel's `fill` is timed, gaussian and rademacher (the latter is Philox alone: one sign bit per
     word, no Box-Muller); on all threads its parallel sweep (`apply`, ``x <- x + 0.5 z``, what a ZO step runs), while
-    `normal_` is given the same threads (it uses one: its generator is sequential).
+    `normal_` is given the same threads (it uses one: its generator is sequential). The calls alternate, `repeats`
+    rounds of one call each, so that both sides see the same moments of a shared machine; each is reported as its
+    best round, and ``speedup`` is `normal_`'s best over the kernel's gaussian best.
     """
     from hf_zo.philox import load_kernel
 
@@ -145,29 +147,32 @@ def generation_speed(numel: int = 1 << 22, repeats: int = 10) -> dict:
     threads = torch.get_num_threads()
     out, generator = torch.empty(numel), torch.Generator().manual_seed(0)
 
-    def per_element(fill) -> float:
-        fill()
-        best = float("inf")
+    def paired_rounds(calls: dict) -> dict:
+        for call in calls.values():
+            call()
+        seconds = {name: [] for name in calls}
         for _ in range(repeats):
-            start = time.perf_counter()
-            fill()
-            best = min(best, time.perf_counter() - start)
-        return round(best / numel * 1e9, 3)
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        return seconds
 
     result = {}
     try:
         for num_threads in sorted({1, threads}):
             torch.set_num_threads(num_threads)
-            line = {"torch_normal_ns_per_element": per_element(lambda: out.normal_(generator=generator))}
+            calls = {"torch_normal": lambda: out.normal_(generator=generator)}
             if kernel is not None and num_threads == 1:
-                line["philox_gaussian_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, True))
-                line["philox_rademacher_ns_per_element"] = per_element(lambda: kernel.fill(out, 1, 0, 0, False))
+                calls["philox_gaussian"] = lambda: kernel.fill(out, 1, 0, 0, True)
+                calls["philox_rademacher"] = lambda: kernel.fill(out, 1, 0, 0, False)
             elif kernel is not None:
-                sweep = lambda: kernel.apply([out], [0], [1.0], [[1]], [[0.5]], True)  # noqa: E731
-                line["philox_gaussian_ns_per_element"] = per_element(sweep)
+                calls["philox_gaussian"] = lambda: kernel.apply([out], [0], [1.0], [[1]], [[0.5]], True)
+            seconds = paired_rounds(calls)
+            best = {name: min(times) / numel * 1e9 for name, times in seconds.items()}
+            line = {f"{name}_ns_per_element": round(ns, 3) for name, ns in best.items()}
             if kernel is not None:
-                normal, philox = line["torch_normal_ns_per_element"], line["philox_gaussian_ns_per_element"]
-                line["speedup"] = round(normal / philox, 2)
+                line["speedup"] = round(best["torch_normal"] / best["philox_gaussian"], 2)
             result[f"threads_{num_threads}"] = line
     finally:
         torch.set_num_threads(threads)
