@@ -3,6 +3,9 @@ distribution, independence from chunking and threads, the fused sweep, and the f
 
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -74,6 +77,35 @@ def test_compiled_kernel_is_bitwise_the_torch_reference(kernel, gaussian, seed, 
     out = torch.empty(numel)
     kernel.fill(out, seed, index, start, gaussian)
     assert torch.equal(out, philox_noise(seed, index, start, numel, gaussian))
+
+
+def test_portable_code_gives_the_same_bits(kernel, tmp_path):
+    """The portable code (CPUs without AVX2), run in a process with HF_ZO_PHILOX_PORTABLE=1, against the torch
+    reference and, for a fused sweep, against this process's kernel."""
+    cases = [(123, 4, 0, 5000), (2**63 - 5, 7, 1000, 3001), (99, 2**40 + 3, 2**33 + 17, 4099)]
+    script = (
+        "import sys, torch\n"
+        "from hf_zo.philox import load_kernel\n"
+        "kernel = load_kernel()\n"
+        "outs = []\n"
+        f"for seed, index, start, numel in {cases!r}:\n"
+        "    for gaussian in (True, False):\n"
+        "        out = torch.empty(numel)\n"
+        "        kernel.fill(out, seed, index, start, gaussian)\n"
+        "        outs.append(out)\n"
+        "x = torch.linspace(-1, 1, 70_001)\n"
+        "kernel.apply([x], [3], [0.5], [[11, 12]], [[0.25, -2.0]], True)\n"
+        "outs.append(x)\n"
+        "torch.save(outs, sys.argv[1])\n"
+    )
+    env = {**os.environ, "HF_ZO_PHILOX_PORTABLE": "1"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "portable.pt")], env=env, check=True)
+    portable = torch.load(tmp_path / "portable.pt")
+    expected = [philox_noise(*case, gaussian) for case in cases for gaussian in (True, False)]
+    x = torch.linspace(-1, 1, 70_001)
+    kernel.apply([x], [3], [0.5], [[11, 12]], [[0.25, -2.0]], True)
+    for got, want in zip(portable, expected + [x], strict=True):
+        assert torch.equal(got, want)
 
 
 def test_gaussian_moments_and_kolmogorov_smirnov():

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -209,7 +210,14 @@ __attribute__((target("avx2"))) void philox_blocks_avx2(uint64_t seed, uint64_t 
   }
 }
 
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// HF_ZO_PHILOX_PORTABLE=1 in the environment selects the portable code on an AVX2 CPU too, so that its bits can be
+// checked on any machine (the tests do).
+bool portable_requested() {
+  const char* value = std::getenv("HF_ZO_PHILOX_PORTABLE");
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && !portable_requested();
 
 // The Box-Muller transform of a tile, eight blocks per AVX2 register: the operations of box_muller_radius and
 // box_muller_angle, in the same order (so the same bits), written out so that the radii of kGroups * 2 registers
