@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # Pinned CPU torch first, so that resolving the package never pulls a CUDA build.
 # Then the compiled noise kernel (hf_zo/philox), so that no run waits for the compiler.
-$(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp
+$(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp hf_zo/philox/extension.py
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/python -m hf_zo.philox --build
