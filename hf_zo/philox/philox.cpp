@@ -217,7 +217,7 @@ bool portable_requested() {
   return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
 }
 
-const bool kHasAvx2 = __builtin_cpu_supports("avx2") && !portable_requested();
+const bool kUseAvx2 = __builtin_cpu_supports("avx2") && !portable_requested();
 
 // The Box-Muller transform of a tile, eight blocks per AVX2 register: the operations of box_muller_radius and
 // box_muller_angle, in the same order (so the same bits), written out so that the radii of kGroups * 2 registers
@@ -309,7 +309,7 @@ __attribute__((target("avx2"))) void gaussian_tile_avx2(const uint32_t (*words)[
 
 void philox_blocks(uint64_t seed, uint64_t index, uint64_t first_block, uint32_t (*words)[kTileBlocks]) {
 #ifdef HF_ZO_X86
-  if (kHasAvx2) {
+  if (kUseAvx2) {
     philox_blocks_avx2(seed, index, first_block, words);
     return;
   }
@@ -325,7 +325,7 @@ __attribute__((always_inline)) inline void noise_tile(uint64_t seed, uint64_t in
   philox_blocks(seed, index, first_block, words);
   if (gaussian) {
 #ifdef HF_ZO_X86
-    if (kHasAvx2) {
+    if (kUseAvx2) {
       gaussian_tile_avx2(words, out);
       return;
     }
