@@ -89,6 +89,7 @@ def test_portable_code_gives_the_same_bits(kernel, tmp_path):
         "spec = importlib.util.spec_from_file_location(sys.argv[2], sys.argv[3])\n"
         "kernel = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(kernel)\n"
+        "assert kernel.simd() == 'portable', kernel.simd()\n"
         "outs = []\n"
         f"for seed, index, start, numel in {cases!r}:\n"
         "    for gaussian in (True, False):\n"

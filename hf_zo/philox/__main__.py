@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .extension import KERNEL_NAME, build
+from .extension import KERNEL_NAME, build, load_kernel
 
 
 def main() -> int:
@@ -18,7 +18,7 @@ def main() -> int:
     except Exception as error:
         print(f"Building {KERNEL_NAME} failed: {error}\nhf_zo will use its slower torch noise.", file=sys.stderr)
         return 1
-    print(f"{KERNEL_NAME} ready ({seconds:.1f} s).")
+    print(f"{KERNEL_NAME} ready ({seconds:.1f} s; {load_kernel().simd()} code on this CPU).")
     return 0
 
 

@@ -37,8 +37,9 @@ def load_kernel() -> ModuleType | None:
     """The compiled kernel, built on first use; `None` if it cannot be built (:func:`kernel_error` says why).
 
     Returns:
-        `ModuleType` or `None`: the module, with ``fill(out, seed, index, start, gaussian)`` and
-        ``apply(tensors, indices, decays, seeds, coeffs, gaussian)``.
+        `ModuleType` or `None`: the module, with ``fill(out, seed, index, start, gaussian)``,
+        ``apply(tensors, indices, decays, seeds, coeffs, gaussian)`` and ``simd()`` (``"avx2"`` or ``"portable"``:
+        which code runs on this CPU).
     """
     global _kernel, _error
     if _kernel is not None or _error is not None:
@@ -87,6 +88,9 @@ def build(verbose: bool = True) -> float:
     Returns:
         `float`: seconds it took.
     """
+    global _kernel, _error
     start = time.perf_counter()
-    _build(verbose=verbose)
+    kernel = _build(verbose=verbose)
+    with _lock:
+        _kernel, _error = kernel, None
     return time.perf_counter() - start

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -454,6 +455,14 @@ void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& i
   for (std::thread& helper : helpers) helper.join();
 }
 
+// Which code computes the noise on this CPU: "avx2" or "portable".
+std::string simd() {
+#ifdef HF_ZO_X86
+  if (kUseAvx2) return "avx2";
+#endif
+  return "portable";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -464,4 +473,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply", &apply, "tensors[t] <- decays[t] * tensors[t] + sum_j coeffs[t][j] * z(seeds[t][j], indices[t])",
         py::arg("tensors"), py::arg("indices"), py::arg("decays"), py::arg("seeds"), py::arg("coeffs"),
         py::arg("gaussian"), py::call_guard<py::gil_scoped_release>());
+  m.def("simd", &simd, "Which code computes the noise on this CPU: 'avx2' or 'portable' (HF_ZO_PHILOX_PORTABLE=1)");
 }
