@@ -191,7 +191,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
     exclude_modules = spec.pop("exclude_modules", None)
     torch.manual_seed(options.seed)
     model = load_sequence_classifier(options.model, num_labels=2)
-    common = dict(
+    common = dict(  # what every variant shares; a variant's own fields (and --set) override it
         output_dir=tempfile.mkdtemp(prefix=f"curve-{name}-"),
         per_device_train_batch_size=options.batch_size,
         per_device_eval_batch_size=64,
@@ -214,7 +214,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
     if method.startswith("adamw"):
         if method == "adamw_layernorm":
             model = _layernorm_tuned(model, exclude_modules)
-        return Trainer(model=model, args=TrainingArguments(**common, **spec), **kwargs)
+        return Trainer(model=model, args=TrainingArguments(**{**common, **spec}), **kwargs)
     if method == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
 
@@ -232,7 +232,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         }
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name.startswith("classifier") or name.endswith("bias") or name in norm_weights)
-    return ZOTrainer(model=model, args=ZOConfig(**common, **spec), **kwargs)
+    return ZOTrainer(model=model, args=ZOConfig(**{**common, **spec}), **kwargs)
 
 
 def _layernorm_tuned(model, exclude_modules: list[str] | None):
