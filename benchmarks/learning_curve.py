@@ -27,6 +27,8 @@ Variants (select with --variants):
   eps 1e-3; `exclude_modules` (a list) leaves some LayerNorms out.
 - `mezo_norms_biases`: MeZO on the LayerNorms and every bias (BitFit's biases plus LN tuning; 31k parameters,
   trainable by `requires_grad`), lr 3e-4, eps 1e-3.
+- `mezo_norm_biases`: MeZO on the LayerNorms' biases only (5k parameters, which carry 94% of the LayerNorms'
+  squared gradient; trainable by `requires_grad`), lr 3e-4, eps 1e-3.
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
@@ -55,8 +57,8 @@ from hf_zo.metrics import build_compute_metrics  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
-# name: what is trained ("lora", "full", "layernorm", "norms_and_biases", "adamw" or "adamw_layernorm") and the
-# ZOConfig (or TrainingArguments) fields of the run
+# name: what is trained ("lora", "full", "layernorm", "norms_and_biases", "norm_biases", "adamw" or "adamw_layernorm")
+# and the ZOConfig (or TrainingArguments) fields of the run
 VARIANTS: dict[str, dict] = {
     "mezo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2},
     "mezo_lora_q4": {
@@ -73,6 +75,7 @@ VARIANTS: dict[str, dict] = {
     "mezo_full": {"method": "full", "learning_rate": 1e-6, "zo_eps": 1e-3, "zo_optimizer": "zo_sgd"},
     "mezo_layernorm": {"method": "layernorm", "learning_rate": 3e-4, "zo_eps": 1e-3, "exclude_modules": None},
     "mezo_norms_biases": {"method": "norms_and_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
+    "mezo_norm_biases": {"method": "norm_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
     "adamw_layernorm": {"method": "adamw_layernorm", "learning_rate": 1e-3},
@@ -221,7 +224,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, **LORA))
     if method == "layernorm":
         model = _layernorm_tuned(model, exclude_modules)
-    if method == "norms_and_biases":
+    if method in ("norms_and_biases", "norm_biases"):
         from hf_zo.norm_tuning import is_norm_module
 
         norm_weights = {
@@ -231,7 +234,11 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
             for name, _ in module.named_parameters(recurse=False)
         }
         for name, parameter in model.named_parameters():
-            parameter.requires_grad_(name.startswith("classifier") or name.endswith("bias") or name in norm_weights)
+            if method == "norms_and_biases":
+                trained = name.endswith("bias") or name in norm_weights
+            else:
+                trained = name.endswith("bias") and name in norm_weights
+            parameter.requires_grad_(name.startswith("classifier") or trained)
     return ZOTrainer(model=model, args=ZOConfig(**{**common, **spec}), **kwargs)
 
 
