@@ -221,7 +221,7 @@ bool portable_requested() {
 const bool kUseAvx2 = __builtin_cpu_supports("avx2") && !portable_requested();
 
 // The Box-Muller transform of a tile, eight blocks per AVX2 register: the operations of box_muller_radius and
-// box_muller_angle, in the same order (so the same bits), written out so that the radii of kGroups * 2 registers
+// box_muller_angle, in the same order (so the same bits), written out so that the radii of N registers
 // advance through the logarithm's polynomial side by side. The compiler's vectorisation of the scalar loop leaves
 // one register's 20-deep chain of dependent multiplications and additions at a time to the out-of-order window,
 // which is too small to overlap them: interleaving the chains makes the transform about a quarter faster.
