@@ -79,17 +79,32 @@ def test_compiled_kernel_is_bitwise_the_torch_reference(kernel, gaussian, seed, 
     assert torch.equal(out, philox_noise(seed, index, start, numel, gaussian))
 
 
-def test_portable_code_gives_the_same_bits(kernel, tmp_path):
-    """The portable code (CPUs without AVX2), run in a process with HF_ZO_PHILOX_PORTABLE=1, against the torch
-    reference and, for a fused sweep, against this process's kernel."""
-    cases = [(123, 4, 0, 5000), (2**63 - 5, 7, 1000, 3001), (99, 2**40 + 3, 2**33 + 17, 4099)]
-    # The child loads the very library this process uses (importing only torch, not hf_zo and transformers).
-    script = (
+SIMD_LEVELS = ("portable", "avx2", "avx512")
+
+
+def _run_kernel_in_child(kernel, script: str, simd: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `script` in a child process that loads the very library this process uses (importing only torch, not
+    hf_zo and transformers) as `kernel`, with ``HF_ZO_PHILOX_SIMD=simd``."""
+    loader = (
         "import importlib.util, sys, torch\n"
-        "spec = importlib.util.spec_from_file_location(sys.argv[2], sys.argv[3])\n"
+        "spec = importlib.util.spec_from_file_location(sys.argv[1], sys.argv[2])\n"
         "kernel = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(kernel)\n"
-        "assert kernel.simd() == 'portable', kernel.simd()\n"
+    )
+    env = {**os.environ, "HF_ZO_PHILOX_SIMD": simd}
+    command = [sys.executable, "-c", loader + script, kernel.__name__, kernel.__file__, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True)
+
+
+def test_every_simd_level_gives_the_same_bits(kernel, tmp_path):
+    """Each narrower code this CPU can run (the portable loops for CPUs without AVX2, AVX2 on an AVX-512 CPU), in a
+    process with HF_ZO_PHILOX_SIMD set, against the torch reference and, for a fused sweep, against this process's
+    widest code (which the other tests check against the reference)."""
+    native = kernel.simd()
+    narrower = SIMD_LEVELS[: SIMD_LEVELS.index(native)]
+    cases = [(123, 4, 0, 5000), (2**63 - 5, 7, 1000, 3001), (99, 2**40 + 3, 2**33 + 17, 4099)]
+    script = (
+        "level = kernel.simd()\n"
         "outs = []\n"
         f"for seed, index, start, numel in {cases!r}:\n"
         "    for gaussian in (True, False):\n"
@@ -99,17 +114,26 @@ def test_portable_code_gives_the_same_bits(kernel, tmp_path):
         "x = torch.linspace(-1, 1, 70_001)\n"
         "kernel.apply([x], [3], [0.5], [[11, 12]], [[0.25, -2.0]], True)\n"
         "outs.append(x)\n"
-        "torch.save(outs, sys.argv[1])\n"
+        "torch.save((level, outs), sys.argv[3])\n"
     )
-    env = {**os.environ, "HF_ZO_PHILOX_PORTABLE": "1"}
-    command = [sys.executable, "-c", script, str(tmp_path / "portable.pt"), kernel.__name__, kernel.__file__]
-    subprocess.run(command, env=env, check=True)
-    portable = torch.load(tmp_path / "portable.pt")
     expected = [philox_noise(*case, gaussian) for case in cases for gaussian in (True, False)]
     x = torch.linspace(-1, 1, 70_001)
     kernel.apply([x], [3], [0.5], [[11, 12]], [[0.25, -2.0]], True)
-    for got, want in zip(portable, expected + [x], strict=True):
-        assert torch.equal(got, want)
+    assert "portable" in narrower or native == "portable"
+    for simd in narrower:
+        saved = tmp_path / f"{simd}.pt"
+        child = _run_kernel_in_child(kernel, script, simd, str(saved))
+        assert child.returncode == 0, child.stderr
+        level, outs = torch.load(saved)
+        assert level == simd
+        for got, want in zip(outs, expected + [x], strict=True):
+            assert torch.equal(got, want)
+
+
+def test_unknown_simd_level_is_a_clear_error(kernel):
+    child = _run_kernel_in_child(kernel, "kernel.simd()\n", "sse9")
+    assert child.returncode != 0
+    assert "HF_ZO_PHILOX_SIMD must be 'portable', 'avx2' or 'avx512', got 'sse9'" in child.stderr
 
 
 def test_gaussian_moments_and_kolmogorov_smirnov():

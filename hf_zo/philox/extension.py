@@ -38,8 +38,8 @@ def load_kernel() -> ModuleType | None:
 
     Returns:
         `ModuleType` or `None`: the module, with ``fill(out, seed, index, start, gaussian)``,
-        ``apply(tensors, indices, decays, seeds, coeffs, gaussian)`` and ``simd()`` (``"avx2"`` or ``"portable"``:
-        which code runs on this CPU).
+        ``apply(tensors, indices, decays, seeds, coeffs, gaussian)`` and ``simd()`` (``"avx512"``, ``"avx2"`` or
+        ``"portable"``: which code runs on this CPU).
     """
     global _kernel, _error
     if _kernel is not None or _error is not None:
