@@ -168,9 +168,9 @@ Simd detect_simd() {
   const char* requested = std::getenv("HF_ZO_PHILOX_SIMD");
   if (requested == nullptr || requested[0] == '\0') return simd;
   const std::string name(requested);
-  const Simd cap = name == "portable" ? Simd::kPortable : name == "avx2" ? Simd::kAvx2 : Simd::kAvx512;
   TORCH_CHECK(name == "portable" || name == "avx2" || name == "avx512", "HF_ZO_PHILOX_SIMD must be 'portable', ",
               "'avx2' or 'avx512', got '", name, "'; unset it to use the widest code this CPU runs");
+  const Simd cap = name == "portable" ? Simd::kPortable : name == "avx2" ? Simd::kAvx2 : Simd::kAvx512;
   return std::min(simd, cap);
 }
 
