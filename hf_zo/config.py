@@ -84,7 +84,8 @@ class ZOConfig(TrainingArguments):
             last trainable `nn.Linear` with `out_features == num_labels`. With PEFT, put the head in
             `modules_to_save`.
         zo_head_learning_rate (`float`, *optional*, defaults to `1e-3`):
-            AdamW learning rate of the first-order head (constant).
+            AdamW learning rate of the first-order head. It follows `lr_scheduler_type` (warm-up, decay) with the
+            ZO learning rate: the head steps at this value times the schedule's factor.
         zo_head_init_max_samples (`int`, *optional*, defaults to `16384`):
             Training examples the linear probe is fitted on (one forward pass each; on SST-2, 16,384 examples fit a
             probe 1.1 points better than 4,096 on held-out training sentences, see docs/accuracy.md). The probe runs

@@ -291,7 +291,7 @@ class FirstOrderHead:
     Args:
         heads (`Mapping[str, nn.Module]`): the head modules.
         params (`list[torch.Tensor]`): their trainable parameters.
-        lr (`float`): AdamW learning rate.
+        lr (`float`): AdamW learning rate at a schedule factor of 1 (see :meth:`step`).
         weight_decay (`float`, defaults to 0.0): AdamW weight decay.
     """
 
@@ -301,6 +301,7 @@ class FirstOrderHead:
         if not params:
             raise ValueError(f"The heads {list(heads)} have no trainable parameters to train first-order.")
         self.params = params
+        self.lr = lr
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.num_backward = 0
         self._sums: list[torch.Tensor | None] = [None] * len(params)  # gradient sums of the finished micro-batches
@@ -340,8 +341,15 @@ class FirstOrderHead:
                 self._sums[index] = p.grad if total is None else total + p.grad
                 p.grad = None
 
-    def step(self) -> None:
-        """Apply the mean of the step's gradients (over every forward pass of every rank) and clear them."""
+    def step(self, lr_scale: float = 1.0) -> None:
+        """Apply the mean of the step's gradients (over every forward pass of every rank) and clear them.
+
+        Args:
+            lr_scale (`float`, defaults to 1.0): the factor the trainer's learning-rate schedule applies at this
+                step; the head's AdamW steps at ``lr * lr_scale``, so it warms up and decays with the ZO weights.
+        """
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * lr_scale
         self.end_micro_batch()
         count = self.num_backward
         sums = self._sums
@@ -390,9 +398,9 @@ class ZOHeads(TrainerCallback):
         if self.first_order is not None:
             self.first_order.end_micro_batch()
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
         if self.first_order is not None:
-            self.first_order.step()
+            self.first_order.step(schedule_scale(lr_scheduler, optimizer, args.learning_rate))
 
     def on_save(self, args, state, control, **kwargs):
         if self.first_order is None or not state.is_world_process_zero:
@@ -411,6 +419,21 @@ class ZOHeads(TrainerCallback):
         """Detach from the model (hooks removed)."""
         if self.first_order is not None:
             self.first_order.close()
+
+
+def schedule_scale(lr_scheduler, optimizer, base_lr: float) -> float:
+    """The factor by which the trainer's schedule multiplies the learning rate at the current optimizer step.
+
+    Exact for the schedules `transformers` builds (`LambdaLR`s: their factor is read from the schedule, so it is
+    defined even at a learning rate of 0); for any other scheduler, the optimizer's current learning rate over
+    `base_lr` (1.0 when `base_lr` is 0 or there is no scheduler).
+    """
+    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # unwrap accelerate's AcceleratedScheduler
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return float(scheduler.lr_lambdas[0](scheduler.last_epoch))
+    if scheduler is None or optimizer is None or not base_lr > 0:
+        return 1.0
+    return optimizer.param_groups[0]["lr"] / base_lr
 
 
 def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) -> ZOHeads:

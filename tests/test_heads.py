@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.heads import (
@@ -14,6 +15,7 @@ from hf_zo.heads import (
     fit_logistic_regression,
     head_parameter_names,
     resolve_head_options,
+    schedule_scale,
 )
 
 from tiny_models import classification_dataset, tiny_bert_classifier, tiny_causal_lm
@@ -187,8 +189,57 @@ def test_config_rejects_unknown_head_options():
         ZOConfig(output_dir="unused", zo_head_learning_rate=0)
 
 
-def test_first_order_head_resume_is_exact(tmp_path):
-    """The head's AdamW state travels in the checkpoint: resuming reproduces the uninterrupted run bitwise."""
+@pytest.mark.parametrize("learning_rate", [1e-2, 0.0])
+def test_first_order_head_follows_the_learning_rate_schedule(learning_rate):
+    """The head warms up and decays with the ZO weights, even when the ZO learning rate is 0 (a head-only run)."""
+    head_lrs = []
+
+    class RecordHeadLr(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            head_lrs.append(trainer.zo_heads.first_order.optimizer.param_groups[0]["lr"])
+
+    trainer = ZOTrainer(
+        model=tiny_bert_classifier(),
+        args=ZOConfig(
+            output_dir="unused",
+            max_steps=4,
+            per_device_train_batch_size=4,
+            learning_rate=learning_rate,
+            zo_eps=1e-2,
+            lr_scheduler_type="linear",
+            warmup_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            zo_head_init="none",
+            zo_head_training="first_order",
+            zo_head_learning_rate=0.08,
+        ),
+        train_dataset=classification_dataset(16),
+        callbacks=[RecordHeadLr()],
+    )
+    trainer.train()
+    # linear warm-up over 1 step, then linear decay to 0 at step 4: factors 0, 1, 2/3, 1/3
+    torch.testing.assert_close(head_lrs, [0.0, 0.08, 0.08 * 2 / 3, 0.08 / 3])
+
+
+def test_schedule_scale_of_other_schedulers():
+    """A scheduler that is not a `LambdaLR` gives the optimizer's learning rate over the base one."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    assert schedule_scale(scheduler, optimizer, 0.4) == 1.0
+    optimizer.step()
+    scheduler.step()
+    assert schedule_scale(scheduler, optimizer, 0.4) == 0.5
+    assert schedule_scale(scheduler, optimizer, 0.0) == 1.0
+    assert schedule_scale(None, optimizer, 0.4) == 1.0
+
+
+@pytest.mark.parametrize("lr_scheduler_type", ["constant", "linear"])
+def test_first_order_head_resume_is_exact(tmp_path, lr_scheduler_type):
+    """The head's AdamW state travels in the checkpoint and its schedule is the trainer's: resuming reproduces the
+    uninterrupted run bitwise."""
 
     def trainer_for(model, output_dir):
         args = ZOConfig(
@@ -196,6 +247,7 @@ def test_first_order_head_resume_is_exact(tmp_path):
             max_steps=4,
             save_steps=2,
             per_device_train_batch_size=4,
+            lr_scheduler_type=lr_scheduler_type,
             learning_rate=1e-2,
             zo_eps=1e-2,
             report_to=[],
