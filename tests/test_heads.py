@@ -123,8 +123,9 @@ def test_first_order_head_gets_exact_gradients_and_body_none():
     trainer.close()
 
 
-def run_trainer(model, steps, **options):
-    args = ZOConfig(
+def build_trainer(model, steps, **options):
+    """A `ZOTrainer` on 16 labelled examples, batch 4; `options` override the `ZOConfig` fields."""
+    fields = dict(
         output_dir="unused",
         max_steps=steps,
         per_device_train_batch_size=4,
@@ -134,9 +135,12 @@ def run_trainer(model, steps, **options):
         save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
-        **options,
     )
-    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    return ZOTrainer(model=model, args=ZOConfig(**{**fields, **options}), train_dataset=classification_dataset(16))
+
+
+def run_trainer(model, steps, **options):
+    trainer = build_trainer(model, steps, **options)
     trainer.train()
     return trainer
 
@@ -198,27 +202,17 @@ def test_first_order_head_follows_the_learning_rate_schedule(learning_rate):
         def on_step_end(self, args, state, control, **kwargs):
             head_lrs.append(trainer.zo_heads.first_order.optimizer.param_groups[0]["lr"])
 
-    trainer = ZOTrainer(
-        model=tiny_bert_classifier(),
-        args=ZOConfig(
-            output_dir="unused",
-            max_steps=4,
-            per_device_train_batch_size=4,
-            learning_rate=learning_rate,
-            zo_eps=1e-2,
-            lr_scheduler_type="linear",
-            warmup_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            zo_head_init="none",
-            zo_head_training="first_order",
-            zo_head_learning_rate=0.08,
-        ),
-        train_dataset=classification_dataset(16),
-        callbacks=[RecordHeadLr()],
+    trainer = build_trainer(
+        tiny_bert_classifier(),
+        4,
+        learning_rate=learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        zo_head_init="none",
+        zo_head_training="first_order",
+        zo_head_learning_rate=0.08,
     )
+    trainer.add_callback(RecordHeadLr())
     trainer.train()
     # linear warm-up over 1 step, then linear decay to 0 at step 4: factors 0, 1, 2/3, 1/3
     torch.testing.assert_close(head_lrs, [0.0, 0.08, 0.08 * 2 / 3, 0.08 / 3])
@@ -242,22 +236,17 @@ def test_first_order_head_resume_is_exact(tmp_path, lr_scheduler_type):
     uninterrupted run bitwise."""
 
     def trainer_for(model, output_dir):
-        args = ZOConfig(
+        return build_trainer(
+            model,
+            4,
             output_dir=str(output_dir),
-            max_steps=4,
+            save_strategy="steps",
             save_steps=2,
-            per_device_train_batch_size=4,
             lr_scheduler_type=lr_scheduler_type,
-            learning_rate=1e-2,
-            zo_eps=1e-2,
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
             zo_head_init="none",
             zo_head_training="first_order",
             zo_head_learning_rate=0.05,
         )
-        return ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
 
     straight = tiny_bert_classifier()
     trainer_for(straight, tmp_path / "straight").train()
