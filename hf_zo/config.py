@@ -87,10 +87,13 @@ class ZOConfig(TrainingArguments):
             AdamW learning rate of the first-order head. It follows `lr_scheduler_type` (warm-up, decay) with the
             ZO learning rate: the head steps at this value times the schedule's factor.
         zo_head_init_max_samples (`int`, *optional*, defaults to `16384`):
-            Training examples the linear probe is fitted on (one forward pass each; on SST-2, 16,384 examples fit a
-            probe 1.1 points better than 4,096 on held-out training sentences, see docs/accuracy.md). The probe runs
-            before the first step, with a progress bar; on long inputs it takes minutes (IMDB reviews at 128
-            tokens: 10 minutes on 2 CPU cores), and a smaller value starts training sooner.
+            Training examples the linear probe is fitted on (one forward pass each), drawn at random: seeded by
+            `seed`, the same on every process, kept in the data set's order, so that a data set sorted by length or
+            grouped by label still gives a sample of the task (all of it when it is smaller or has no length). On
+            SST-2, 16,384 examples fit a probe 1.1 points better than 4,096 on held-out training sentences (see
+            docs/accuracy.md). The probe runs before the first step, with a progress bar; on long inputs it takes
+            minutes (IMDB reviews at 128 tokens: 10 minutes on 2 CPU cores), and a smaller value starts training
+            sooner.
 
     Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
 

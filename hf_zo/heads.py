@@ -4,9 +4,9 @@ A newly initialised head is where ZO struggles most: the two-point estimate spre
 parameter, so a random head and a frozen body learn almost nothing in a few thousand steps. Two remedies, selected
 by `ZOConfig.zo_head_init` and `ZOConfig.zo_head_training`:
 
-- **linear probing** (MeZO's LP-then-MeZO): before ZO starts, the head's input features are collected over the
-  training set (one forward pass per example, no gradients) and a logistic regression fitted on them is written
-  into the head's last `nn.Linear`;
+- **linear probing** (MeZO's LP-then-MeZO): before ZO starts, the head's input features are collected over a random
+  sample of the training set (one forward pass per example, no gradients) and a logistic regression fitted on them
+  is written into the head's last `nn.Linear`;
 - **first-order head**: the head is trained with exact gradients (a small AdamW on the head parameters only) while
   the body stays zeroth-order. The head is taken out of the ZO parameter set; its gradients come from the two ZO
   forward passes themselves (autograd is switched on at the head's input and the input is detached), so the only
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset, Subset
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
@@ -44,6 +45,7 @@ __all__ = [
     "is_sequence_classifier",
     "last_trainable_linear",
     "prepare_zo_heads",
+    "probe_examples",
     "resolve_head_options",
 ]
 
@@ -238,6 +240,34 @@ def fit_logistic_regression(
         optimizer.step(closure)
     weight, bias = weight.detach() / std, bias.detach() - (weight.detach() / std) @ mean
     return weight.float(), bias.float()
+
+
+def probe_examples(dataset, max_samples: int | None, seed: int):
+    """The training examples the linear probe is fitted on: `max_samples` of them drawn at random.
+
+    A data set is often ordered (sorted by length for padding, grouped by label as IMDB's files are), so its first
+    examples are not a sample of it: a probe fitted on them learns the wrong task or a single class. The draw is
+    seeded by `seed`, so every process of a distributed run takes the same examples, and keeps the data set's order
+    among them (a length-sorted set stays cheap to batch). A set no larger than `max_samples`, `max_samples=None`,
+    and a data set without a length (an `IterableDataset`) are used whole, in their own order.
+
+    Args:
+        dataset: the training set (`datasets.Dataset` or any map-style `torch.utils.data.Dataset`).
+        max_samples (`int`, *optional*): how many examples to draw.
+        seed (`int`): seed of the draw (the run's `args.seed`).
+
+    Returns:
+        the data set itself, or the drawn examples (`Dataset.select` or `torch.utils.data.Subset`).
+    """
+    if max_samples is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return dataset
+    if len(dataset) <= max_samples:
+        return dataset
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(len(dataset), generator=generator)[:max_samples].sort().values.tolist()
+    if hasattr(dataset, "select"):  # datasets.Dataset: stays a Dataset, so the Trainer still drops unused columns
+        return dataset.select(indices)
+    return Subset(dataset, indices)
 
 
 @torch.no_grad()
@@ -456,9 +486,10 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
         name, head = list(heads.items())[-1]  # the module that produces the logits
-        batches = trainer.get_eval_dataloader(trainer.train_dataset)  # sharded over the processes, if several
-        gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
         max_samples = args.zo_head_init_max_samples
+        examples = probe_examples(trainer.train_dataset, max_samples, args.seed)
+        batches = trainer.get_eval_dataloader(examples)  # sharded over the processes, if several
+        gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
         total = None
         with contextlib.suppress(TypeError):  # a DataLoader over an IterableDataset has no length
             total = len(batches)

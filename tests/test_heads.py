@@ -14,6 +14,7 @@ from hf_zo.heads import (
     fit_linear_probe,
     fit_logistic_regression,
     head_parameter_names,
+    probe_examples,
     resolve_head_options,
     schedule_scale,
 )
@@ -101,6 +102,65 @@ def test_linear_probe_fits_the_head_on_frozen_features(use_peft):
         predictions = torch.cat([model(input_ids=b["input_ids"]).logits.argmax(-1) for b in batches_of(separable)])
     assert predictions.tolist() == separable["label"]
     assert all(torch.equal(p, body[n]) for n, p in model.named_parameters() if n in body)
+
+
+def test_probe_examples_are_a_seeded_sample_in_the_data_sets_order():
+    """The probe draws from the whole set, not its first rows: a set grouped by label gives both labels."""
+    from datasets import Dataset
+    from torch.utils.data import IterableDataset, Subset, TensorDataset
+
+    grouped = Dataset.from_dict({"index": list(range(40)), "label": [0] * 20 + [1] * 20})
+
+    drawn = probe_examples(grouped, 10, seed=0)
+
+    assert len(drawn) == 10 and set(drawn["label"]) == {0, 1}
+    assert drawn["index"] == sorted(drawn["index"])  # the set's order is kept (a length-sorted set stays cheap)
+    assert probe_examples(grouped, 10, seed=0)["index"] == drawn["index"]
+    assert probe_examples(grouped, 10, seed=1)["index"] != drawn["index"]
+    assert probe_examples(grouped, None, seed=0) is grouped and probe_examples(grouped, 40, seed=0) is grouped
+    tensors = TensorDataset(torch.arange(40))
+    subset = probe_examples(tensors, 10, seed=0)
+    assert isinstance(subset, Subset) and subset.indices == drawn["index"]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(40))
+
+    stream = Stream()
+    assert probe_examples(stream, 10, seed=0) is stream
+
+
+def test_linear_probe_of_a_trainer_samples_a_set_grouped_by_label():
+    """`ZOTrainer`'s probe on a training set sorted by label, fitted on fewer examples than the first label has,
+    still learns both labels (the first rows alone would give a head that predicts one label)."""
+    model = tiny_bert_classifier().eval()
+    dataset = classification_dataset(64, seed=3)
+    head = next(iter(find_head_modules(model).values()))
+    features, _ = collect_head_inputs(model, head, batches_of(dataset))
+    direction = torch.randn(features.shape[1], generator=torch.Generator().manual_seed(1))
+    scores = features @ direction
+    labels = (scores > scores.median()).long().tolist()
+    grouped = dataset.remove_columns("label").add_column("label", labels).sort("label")
+    trainer = ZOTrainer(
+        model=model,
+        args=ZOConfig(
+            output_dir="unused",
+            max_steps=1,
+            learning_rate=0.0,
+            zo_head_learning_rate=1e-12,
+            zo_head_init_max_samples=24,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        ),
+        train_dataset=grouped,
+    )
+    trainer.train()
+
+    with torch.no_grad():
+        predictions = torch.cat([model(input_ids=b["input_ids"]).logits.argmax(-1) for b in batches_of(grouped)])
+    assert (predictions == torch.tensor(grouped["label"])).float().mean() > 0.8
 
 
 def test_first_order_head_gets_exact_gradients_and_body_none():
