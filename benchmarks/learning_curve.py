@@ -30,6 +30,11 @@ Variants (select with --variants):
 - `mezo_norm_biases`: MeZO on the LayerNorms' biases only (5k parameters, which carry 94% of the LayerNorms'
   squared gradient; trainable by `requires_grad`), lr 1e-3 (the best of 3e-4, 1e-3 and 3e-3 on held-out
   phrases), eps 1e-3.
+- `mezo_label_similarity`: no head at all: each sentence is scored by the cosine similarity (times `scale`, 20 as
+  in sentence-transformers' contrastive losses) of its embedding to the embeddings of `label_texts`, computed by the
+  same perturbed encoder in the same forward. It is the sentence encoder's counterpart of MeZO's prompts (the task
+  posed in the form the checkpoint was trained on), starts from that zero-shot classifier with no probe, and trains
+  the LayerNorms (trainable by `requires_grad`) by MeZO alone, lr 1e-3, eps 1e-3.
 - `head_only`: the same run as `mezo_lora` with a ZO learning rate of 0: the first-order head alone. Its gain over
   the probe is the head's; the ZO variants' gain over it is ZO's own.
 - `adamw`: first-order AdamW on all weights, head from its random initialisation (`transformers.Trainer`).
@@ -48,13 +53,16 @@ import time
 
 import torch
 from datasets import load_dataset
+from torch import nn
 from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accuracy import load_sst2  # noqa: E402  (the sibling benchmark's SST-2 loader)
 
-from hf_zo import ZOConfig, ZOTrainer, load_sequence_classifier  # noqa: E402
+from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier  # noqa: E402
 from hf_zo.metrics import build_compute_metrics  # noqa: E402
+from hf_zo.pooled_classifier import pool  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
@@ -77,6 +85,13 @@ VARIANTS: dict[str, dict] = {
     "mezo_layernorm": {"method": "layernorm", "learning_rate": 3e-4, "zo_eps": 1e-3, "exclude_modules": None},
     "mezo_norms_biases": {"method": "norms_and_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
     "mezo_norm_biases": {"method": "norm_biases", "learning_rate": 1e-3, "zo_eps": 1e-3},
+    "mezo_label_similarity": {
+        "method": "label_similarity",
+        "learning_rate": 1e-3,
+        "zo_eps": 1e-3,
+        "label_texts": ["This is a negative review.", "This is a positive review."],
+        "scale": 20.0,
+    },
     "head_only": {"method": "lora", "learning_rate": 0.0, "zo_eps": 1e-2, "zo_optimizer": "zo_sgd"},
     "adamw": {"method": "adamw", "learning_rate": 5e-5},
     "adamw_layernorm": {"method": "adamw_layernorm", "learning_rate": 1e-3},
@@ -189,12 +204,48 @@ def split_heldout(train, heldout: int, seed: int):
     return shuffled.select(range(heldout, len(shuffled))), heldout_set.sort("n").remove_columns("n")
 
 
+class LabelSimilarityClassifier(PooledEncoderForSequenceClassification):
+    """The pooled sentence encoder as its own classifier: the logits are `scale` times the cosine similarities of the
+    sentence's embedding to the embeddings of the label texts, encoded in the same forward (the linear `classifier`
+    is not used). Set `label_inputs` (the tokenizer's padded `input_ids` and `attention_mask` of the label texts)
+    before the first forward."""
+
+    scale = 20.0
+    label_inputs: dict[str, torch.Tensor] | None = None
+
+    def forward(self, input_ids, attention_mask, labels=None, **kwargs):
+        """Logits of shape `(batch, num_labels)` and, with `labels`, their cross-entropy."""
+        texts = {k: v.to(input_ids.device) for k, v in self.label_inputs.items()}
+        width = max(input_ids.shape[1], texts["input_ids"].shape[1])
+        pad_id = self.config.pad_token_id or 0
+        rows = [nn.functional.pad(t, (0, width - t.shape[1]), value=pad_id) for t in (input_ids, texts["input_ids"])]
+        masks = [nn.functional.pad(m, (0, width - m.shape[1])) for m in (attention_mask, texts["attention_mask"])]
+        mask = torch.cat(masks)
+        embedding = nn.functional.normalize(
+            pool(self.encoder(input_ids=torch.cat(rows), attention_mask=mask)[0], mask, self.config.pooling_mode),
+            dim=-1,
+        )
+        logits = self.scale * embedding[: len(input_ids)] @ embedding[len(input_ids) :].T
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
 def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, evaluation) -> Trainer:
     spec = dict(spec)
     method = spec.pop("method")
     exclude_modules = spec.pop("exclude_modules", None)
+    label_texts, scale = spec.pop("label_texts", None), spec.pop("scale", None)
     torch.manual_seed(options.seed)
-    model = load_sequence_classifier(options.model, num_labels=2)
+    if method == "label_similarity":
+        model = LabelSimilarityClassifier.from_encoder(options.model, num_labels=2)
+        model.label_inputs = dict(
+            tokenizer(label_texts, padding=True, return_tensors="pt", return_token_type_ids=False)
+        )
+        model.scale = scale
+        for parameter_name, parameter in model.named_parameters():
+            parameter.requires_grad_("LayerNorm" in parameter_name)
+    else:
+        model = load_sequence_classifier(options.model, num_labels=2)
     common = dict(  # what every variant shares; a variant's own fields (and --set) override it
         output_dir=tempfile.mkdtemp(prefix=f"curve-{name}-"),
         per_device_train_batch_size=options.batch_size,
@@ -280,8 +331,8 @@ def run(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, ev
 def plot(results: list[dict], path: str, title: str) -> None:
     """Accuracy against steps and against training minutes, and validation loss against minutes.
 
-    The accuracy axes start at 75%: a first-order run starting from a random head begins off the scale (its
-    first point is in the JSON and the table).
+    The axes fit the zeroth-order curves (accuracy from 75% or below, loss up to 0.55 or above): a first-order run
+    starting from a random head begins off the scale (its first point is in the JSON and the table).
     """
     import matplotlib
 
@@ -297,15 +348,17 @@ def plot(results: list[dict], path: str, title: str) -> None:
         by_step.plot(steps, accuracy, label=result["variant"], **style)
         by_time.plot(minutes, accuracy, label=result["variant"], **style)
         loss_by_time.plot(minutes, [p["loss"] for p in result["curve"]], label=result["variant"], **style)
-    by_step.set(xlabel="optimizer steps", ylabel="validation accuracy (%)", ylim=(75, 90), title=title)
+    zeroth_order = [p for r in results if not r["spec"]["method"].startswith("adamw") for p in r["curve"]]
+    accuracy_range = (min([75.0] + [100 * p["accuracy"] - 1 for p in zeroth_order]), 90)
+    by_step.set(xlabel="optimizer steps", ylabel="validation accuracy (%)", ylim=accuracy_range, title=title)
     by_time.set(
-        xlabel="training minutes (probe included, evaluation excluded)", ylim=(75, 90), title="against wall time"
+        xlabel="training minutes (probe included, evaluation excluded)", ylim=accuracy_range, title="against wall time"
     )
     lowest_loss = min(p["loss"] for result in results for p in result["curve"])
     loss_by_time.set(
         xlabel="training minutes",
         ylabel="validation loss",
-        ylim=(min(0.35, lowest_loss - 0.01), 0.55),
+        ylim=(min(0.35, lowest_loss - 0.01), max([0.55] + [p["loss"] + 0.01 for p in zeroth_order])),
         title="validation loss",
     )
     for axes in (by_step, by_time, loss_by_time):
