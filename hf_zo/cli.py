@@ -14,8 +14,10 @@ import sys
 from collections.abc import Sequence
 
 import torch
+from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
+from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
 from .trajectory.replay import initial_model
 
@@ -77,26 +79,57 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _load_base(base: str, trajectory: ZOTrajectory, revision: str | None) -> torch.nn.Module:
-    import transformers
-
     described = trajectory.header["base_model"]
-    model_class = getattr(transformers, described["model_class"], None)
-    if model_class is None:
-        raise ValueError(
-            f"transformers has no class {described['model_class']!r} (the recorded model class); load the base model "
-            "yourself and call hf_zo.replay(model, trajectory)."
-        )
+    model_class = _model_class(described["model_class"])
     dtype = getattr(torch, described.get("dtype") or "float32")
+    config = described.get("config")
+    if config is not None:
+        config = model_class.config_class.from_dict(config)
     if described["peft"] and os.path.isfile(os.path.join(base, "adapter_config.json")):
         # An adapter saved before training (how trajectories of format version 1 replay): load it onto its base.
         from peft import PeftConfig, PeftModel
 
         adapter_config = PeftConfig.from_pretrained(base, revision=revision)
-        model = model_class.from_pretrained(adapter_config.base_model_name_or_path, dtype=dtype)
+        model = _load_pretrained(model_class, adapter_config.base_model_name_or_path, config, None, dtype)
         return PeftModel.from_pretrained(model, base, revision=revision, is_trainable=True)
-    config = described.get("config")
-    if config is not None:
-        config = model_class.config_class.from_dict(config)
+    return _load_pretrained(model_class, base, config, revision, dtype)
+
+
+def _model_class(name: str) -> type:
+    """The recorded model class: a transformers class, or one of hf_zo's own models."""
+    import transformers
+
+    own = {PooledEncoderForSequenceClassification.__name__: PooledEncoderForSequenceClassification}
+    model_class = getattr(transformers, name, None) or own.get(name)
+    if model_class is None:
+        raise ValueError(
+            f"transformers has no class {name!r} (the recorded model class); load the base model yourself and call "
+            "hf_zo.replay(model, trajectory)."
+        )
+    return model_class
+
+
+def _load_pretrained(
+    model_class: type, base: str, config: PreTrainedConfig | None, revision: str | None, dtype: torch.dtype
+) -> torch.nn.Module:
+    """`base` loaded as the run loaded it: with `from_pretrained`, or, for a head put on the pooling of a sentence
+    encoder's checkpoint (what `hf_zo.load_sequence_classifier` does), the encoder with a head of the recorded
+    pooling and labels."""
+    if isinstance(config, PooledEncoderConfig) and not isinstance(
+        AutoConfig.from_pretrained(base, revision=revision), PooledEncoderConfig
+    ):
+        return model_class.from_encoder(
+            base,
+            pooling_mode=config.pooling_mode,
+            normalize=config.normalize,
+            classifier_dropout=config.classifier_dropout,
+            num_labels=config.num_labels,
+            id2label=config.id2label,
+            label2id=config.label2id,
+            problem_type=config.problem_type,
+            revision=revision,
+            dtype=dtype,
+        )
     return model_class.from_pretrained(base, revision=revision, dtype=dtype, config=config)
 
 

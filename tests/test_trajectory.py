@@ -13,7 +13,15 @@ import struct
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+from peft import (
+    LNTuningConfig,
+    LoraConfig,
+    PeftModel,
+    PrefixTuningConfig,
+    PromptTuningConfig,
+    TaskType,
+    get_peft_model,
+)
 from safetensors.torch import load_file
 from transformers import BertForSequenceClassification, OPTForCausalLM
 
@@ -27,12 +35,20 @@ from hf_zo import (
     ZOTrainer,
     ZOTrajectory,
     ZOTrajectoryStep,
+    load_sequence_classifier,
     push_trajectory_to_hub,
     replay,
 )
 from hf_zo.cli import main as cli_main
+from hf_zo.trajectory.hub import trajectory_model_card
 
-from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm
+from tiny_models import (
+    classification_dataset,
+    lm_dataset,
+    save_tiny_sentence_encoder,
+    tiny_bert_classifier,
+    tiny_causal_lm,
+)
 
 
 def _args(output_dir, **overrides):
@@ -373,6 +389,45 @@ def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, cap
     batch = {k: torch.tensor(v) for k, v in classification_dataset(4, seed=9)[:].items() if k != "label"}
     with torch.no_grad():
         assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+
+_POOLED_PEFT = {
+    "full": None,
+    "ln_tuning": lambda: LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=["LayerNorm"]),
+}
+
+
+@pytest.mark.parametrize("method", list(_POOLED_PEFT))
+def test_pooled_classifier_replays_from_the_sentence_encoder_folder_alone(tmp_path, capsys, method):
+    # examples/train.py and the docs load a sentence-transformers checkpoint with load_sequence_classifier: the
+    # recorded class is hf_zo's, and the base folder is the encoder without a head.
+    save_tiny_sentence_encoder(tmp_path / "encoder", normalize=True)
+    base = str(tmp_path / "encoder")
+    model = load_sequence_classifier(base, num_labels=2)
+    if _POOLED_PEFT[method] is not None:
+        model = get_peft_model(model, _POOLED_PEFT[method]())
+    args = _args(tmp_path / "run", max_steps=3, save_strategy="no", learning_rate=0.05, zo_head_init_max_samples=16)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
+    trainer.train()
+    trainer.save_model()
+
+    assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    _assert_bitwise(load_file(tmp_path / "out" / weights), load_file(tmp_path / "run" / weights))
+    rebuilt = load_sequence_classifier(tmp_path / "out" if method == "full" else base, num_labels=2)
+    if method != "full":
+        rebuilt = PeftModel.from_pretrained(rebuilt, tmp_path / "out")
+    batch = {k: torch.tensor(v) for k, v in classification_dataset(4, seed=9)[:].items() if k != "label"}
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(**batch).logits, trainer.model.eval()(**batch).logits)
+
+    # The model card's Python rebuild loads the base the same way.
+    card = trajectory_model_card(ZOTrajectory.load(tmp_path / "run"), "me/run", base_model=base)
+    snippet = card.split("```python\n")[1].split("```")[0]
+    setup = "\n".join(line for line in snippet.splitlines() if line.startswith(("from ", "model = load")))
+    namespace = {}
+    exec(setup, namespace)
+    assert type(namespace["model"]) is type(rebuilt.get_base_model() if method != "full" else rebuilt)
 
 
 def test_minilm_lora_run_replays_from_the_package_model(tmp_path):

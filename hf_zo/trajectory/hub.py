@@ -63,13 +63,18 @@ def trajectory_model_card(
     peft = base["peft"]
     base_model = base_model or (peft or {}).get("base_model_name_or_path") or base["name_or_path"]
     optimizer, model_class, dtype = header["optimizer"], base["model_class"], base.get("dtype") or "float32"
-    load = f'{model_class}.from_pretrained("{base_model}", dtype="{dtype}")'
+    # hf_zo's pooled classifier is built from the sentence encoder's checkpoint, as the run built it.
+    pooled = model_class == "PooledEncoderForSequenceClassification"
+    loader = "load_sequence_classifier" if pooled else f"{model_class}.from_pretrained"
+    model_import = "" if pooled else f"from transformers import {model_class}\n"
+    hf_zo_names = "ZOTrajectory, load_sequence_classifier, replay" if pooled else "ZOTrajectory, replay"
+    load = f'{loader}("{base_model}", dtype="{dtype}")'
     num_labels = (base.get("config") or {}).get("id2label")
     if num_labels and model_class.endswith("ForSequenceClassification"):
         load = load[:-1] + f", num_labels={len(num_labels)})"
     if peft and "initial_tensors" not in header:
         adapter = initial_adapter or "INITIAL_ADAPTER"
-        source, imports = adapter, f"from peft import PeftModel\nfrom transformers import {model_class}"
+        source, imports = adapter, f"from peft import PeftModel\n{model_import}"
         load = f'PeftModel.from_pretrained({load}, "{adapter}", is_trainable=True)'
         note = (
             f"\nThis run trained a {peft['peft_type']} adapter, so the replay starts from the adapter *before* "
@@ -77,7 +82,7 @@ def trajectory_model_card(
             "`adapter_config.json` names the base model.\n"
         )
     else:
-        source, imports = base_model, f"from transformers import {model_class}"
+        source, imports = base_model, model_import
         note = f"\nThe trajectory holds the initial {peft['peft_type']} adapter: `replay` adds it.\n" if peft else ""
     return f"""---
 base_model: {base_model}
@@ -106,8 +111,7 @@ hf-zo replay {source} {repo_id} ./fine-tuned
 or in Python:
 
 ```python
-{imports}
-from hf_zo import ZOTrajectory, replay
+{imports}from hf_zo import {hf_zo_names}
 
 model = {load}
 model = replay(model, ZOTrajectory.from_pretrained("{repo_id}"), show_progress=True)
