@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import yaml
 from datasets import DatasetDict, load_dataset
 from transformers import (
     AutoConfig,
@@ -380,20 +382,38 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
 # ---------------------------------------------------------------------- main
 
 
+CONFIG_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, ZOConfig]:
+    """The script's arguments: flags, or a JSON/YAML file of them first and flags after it that override its values
+    (`python examples/train.py config.yaml --max_steps 100`), as TRL's scripts take a `--config` file."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, ZOConfig))
+    if argv and argv[0].endswith(CONFIG_FILE_SUFFIXES):
+        with open(argv[0], encoding="utf-8") as file:
+            values = yaml.safe_load(file) if argv[0].endswith(("yaml", "yml")) else json.load(file)
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{argv[0]} must hold a mapping of argument names to values, got {type(values).__name__}."
+            )
+        unknown = sorted(set(values) - {action.dest for action in parser._actions})
+        if unknown:
+            raise ValueError(f"{argv[0]} sets unknown arguments {unknown}; see `python examples/train.py --help`.")
+        # A string default goes through the argument's type as a flag would (YAML reads 1e-3 as a string).
+        parser.set_defaults(**values)
+        for action in parser._actions:
+            action.required = action.required and action.dest not in values
+        argv = argv[1:]
+    return parser.parse_args_into_dataclasses(argv)
+
+
 def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
     """Parse the arguments, train, save, evaluate (and push to the Hub).
 
     Returns:
         `tuple[ZOTrainer, dict[str, float]]`: the trainer and the final evaluation metrics (empty without data).
     """
-    parser = HfArgumentParser((ModelArguments, DataArguments, ZOConfig))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        model_args, data, args = (
-            parser.parse_yaml_file(argv[0]) if argv[0].endswith("ml") else parser.parse_json_file(argv[0])
-        )
-    else:
-        model_args, data, args = parser.parse_args_into_dataclasses(argv)
+    model_args, data, args = parse_arguments(sys.argv[1:] if argv is None else argv)
 
     task_type = resolve_task_type(model_args, data)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)

@@ -289,3 +289,26 @@ def test_api_reference_lists_every_public_object():
     modules += ["hf_zo.parallel", "hf_zo.trajectory", "hf_zo.philox", "hf_zo.norm_tuning", "hf_zo.defaults"]
     missing = {m: sorted(set(importlib.import_module(m).__all__) - entries) for m in modules}
     assert not any(missing.values()), f"docs/api.md lacks {missing}: run python docs/gen_api.py"
+
+
+def test_config_file_with_flags_that_override_it(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model_name_or_path: some/model\n"
+        "task_name: sst2\n"
+        "learning_rate: 1e-3\n"  # YAML reads this as a string: it goes through the flag's type
+        "max_steps: 100\n"
+        "remove_unused_columns: false\n"  # a flag whose default is True (argparse also has --no_...)
+        f"output_dir: {tmp_path / 'out'}\n"
+    )
+    model_args, data, args = train_script.parse_arguments([str(config), "--max_steps", "7", "--use_cpu"])
+    assert model_args.model_name_or_path == "some/model" and data.task_name == "sst2"
+    assert args.learning_rate == 1e-3 and args.max_steps == 7 and args.remove_unused_columns is False
+
+    as_json = tmp_path / "config.json"
+    as_json.write_text(json.dumps({"model_name_or_path": "some/model", "output_dir": str(tmp_path / "out")}))
+    assert train_script.parse_arguments([str(as_json), "--use_cpu"])[0].model_name_or_path == "some/model"
+
+    config.write_text("model_name_or_path: some/model\nlearning_rat: 1e-3\n")
+    with pytest.raises(ValueError, match=r"unknown arguments \['learning_rat'\]"):
+        train_script.parse_arguments([str(config)])
