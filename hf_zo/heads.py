@@ -35,9 +35,11 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "HEAD_INIT_CHOICES",
     "HEAD_TRAINING_CHOICES",
+    "PROBE_L2_GRID",
     "FirstOrderHead",
     "ZOHeads",
     "collect_head_inputs",
+    "cross_validated_l2",
     "find_head_modules",
     "fit_linear_probe",
     "fit_logistic_regression",
@@ -242,6 +244,56 @@ def fit_logistic_regression(
     return weight.float(), bias.float()
 
 
+PROBE_L2_GRID = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+"""The L2 penalties (on standardised features) that :func:`cross_validated_l2` chooses from."""
+
+
+def cross_validated_l2(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    grid: Iterable[float] = PROBE_L2_GRID,
+    folds: int = 3,
+    fit_intercept: bool = True,
+) -> float:
+    """The L2 penalty of `grid` whose logistic regression has the lowest mean cross-entropy on held-out folds.
+
+    The best penalty depends on the number of examples: on 512 SST-2 phrases a penalty of 1e-2 fits the training set
+    perfectly and halves the held-out likelihood (validation loss 0.95 against 0.50 at the chosen 0.3, and 2.4
+    points of accuracy), while on 16,384 it is about right. The folds are a fixed permutation, so every process of a
+    distributed run (all fitting on the same examples) picks the same penalty, and no random stream is consumed.
+
+    Args:
+        features (`torch.Tensor`): `(examples, in_features)`.
+        labels (`torch.Tensor`): `(examples,)` class indices.
+        num_classes (`int`): number of classes.
+        grid (`Iterable[float]`, defaults to `PROBE_L2_GRID`): the candidate penalties.
+        folds (`int`, defaults to 3): number of folds; with fewer than two examples per fold there is nothing to
+            hold out, and 1e-2 is returned.
+        fit_intercept (`bool`, defaults to `True`): as for :func:`fit_logistic_regression`.
+
+    Returns:
+        `float`: the chosen penalty.
+    """
+    grid = list(grid)
+    if len(labels) < 2 * folds:
+        return 1e-2
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    held_out = order.chunk(folds)
+    losses = []
+    for l2 in grid:
+        loss = 0.0
+        for k, test in enumerate(held_out):
+            train = torch.cat([fold for j, fold in enumerate(held_out) if j != k])
+            weight, bias = fit_logistic_regression(
+                features[train], labels[train], num_classes, l2=l2, fit_intercept=fit_intercept
+            )
+            logits = features[test].float() @ weight.T + bias
+            loss += float(nn.functional.cross_entropy(logits, labels[test], reduction="sum"))
+        losses.append(loss)
+    return grid[min(range(len(grid)), key=losses.__getitem__)]
+
+
 def probe_examples(dataset, max_samples: int | None, seed: int):
     """The training examples the linear probe is fitted on: `max_samples` of them drawn at random.
 
@@ -276,7 +328,7 @@ def fit_linear_probe(
     head: nn.Module,
     batches: Iterable[Mapping],
     max_samples: int | None = None,
-    l2: float = 1e-2,
+    l2: float | None = None,
     gather=None,
 ) -> float:
     """Fit the last `nn.Linear` of `head` as a logistic regression on the frozen features it receives.
@@ -286,7 +338,8 @@ def fit_linear_probe(
         head (`nn.Module`): the head module (e.g. `model.classifier`).
         batches (`Iterable[Mapping]`): model inputs with `labels` (or `label`), e.g. a training `DataLoader`.
         max_samples (`int`, *optional*): stop collecting features after this many examples.
-        l2 (`float`, defaults to 1e-2): L2 penalty on the weights (on standardised features).
+        l2 (`float`, *optional*): L2 penalty on the weights (on standardised features); by default the one of
+            `PROBE_L2_GRID` that :func:`cross_validated_l2` chooses on the collected examples.
         gather (*optional*): gathers each batch's features and labels from every process (see
             :func:`collect_head_inputs`): every process then fits the same head on the same examples.
 
@@ -296,6 +349,9 @@ def fit_linear_probe(
     linear = last_trainable_linear(head)
     features, labels = collect_head_inputs(model, linear, batches, max_samples, gather)
     has_bias = linear.bias is not None
+    if l2 is None:
+        l2 = cross_validated_l2(features, labels, linear.out_features, fit_intercept=has_bias)
+        logger.info("Linear probe: L2 penalty %g chosen by cross-validation on %d examples.", l2, len(labels))
     weight, bias = fit_logistic_regression(features, labels, linear.out_features, l2=l2, fit_intercept=has_bias)
     linear.weight.copy_(weight.to(linear.weight))
     if has_bias:
@@ -504,7 +560,9 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
             leave=False,
             disable=args.disable_tqdm or not trainer.is_local_process_zero(),
         ) as progress:
-            accuracy = fit_linear_probe(model, head, progress, max_samples=max_samples, gather=gather)
+            accuracy = fit_linear_probe(
+                model, head, progress, max_samples=max_samples, l2=args.zo_head_init_l2, gather=gather
+            )
         logger.info("Linear probe fitted into %s (training accuracy %.4f).", name, accuracy)
     if head_training != "first_order":
         return ZOHeads(list(heads))

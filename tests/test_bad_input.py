@@ -40,6 +40,7 @@ CONFIG_CASES = [
     ({"zo_head_init": "random"}, "Unknown zo_head_init 'random'; choose one of"),
     ({"zo_head_training": "second_order"}, "Unknown zo_head_training 'second_order'; choose one of"),
     ({"zo_head_learning_rate": 0.0}, "zo_head_learning_rate must be > 0, got 0.0"),
+    ({"zo_head_init_l2": 0.0}, "zo_head_init_l2 must be > 0, or None to choose it by cross-validation, got 0.0"),
 ]
 
 

@@ -8,8 +8,10 @@ from transformers import TrainerCallback
 
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.heads import (
+    PROBE_L2_GRID,
     FirstOrderHead,
     collect_head_inputs,
+    cross_validated_l2,
     find_head_modules,
     fit_linear_probe,
     fit_logistic_regression,
@@ -79,6 +81,28 @@ def test_logistic_regression_gives_a_near_constant_feature_no_large_weight():
     weight, bias = fit_logistic_regression(torch.cat([informative, switched_off[:, None]], 1), labels, num_classes=2)
     assert weight[:, 3].abs().max() < 1.0, weight
     assert weight[:, :3].abs().max() > 0.1, weight  # the informative features are still used
+
+
+def test_cross_validated_l2_penalises_few_examples_more_and_draws_nothing():
+    """Many noisy features and few examples: a small penalty over-fits, so cross-validation picks a larger one than
+    for many examples, deterministically and without touching the global random stream."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(4000, 60, generator=generator)
+    labels = (features[:, :3].sum(1) + 2.0 * torch.randn(4000, generator=generator) > 0).long()
+    state = torch.random.get_rng_state()
+    few = cross_validated_l2(features[:60], labels[:60], num_classes=2)
+    many = cross_validated_l2(features, labels, num_classes=2)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert few in PROBE_L2_GRID and many in PROBE_L2_GRID and few > many, (few, many)
+    assert cross_validated_l2(features[:60], labels[:60], num_classes=2) == few
+    assert cross_validated_l2(features[:5], labels[:5], num_classes=2) == 1e-2  # too few to hold any out
+
+    # The chosen penalty generalises better than the fixed default on held-out examples.
+    def held_out_loss(l2):
+        weight, bias = fit_logistic_regression(features[:60], labels[:60], num_classes=2, l2=l2)
+        return torch.nn.functional.cross_entropy(features[60:] @ weight.T + bias, labels[60:])
+
+    assert held_out_loss(few) < held_out_loss(1e-2)
 
 
 @pytest.mark.parametrize("use_peft", [False, True])
