@@ -211,8 +211,8 @@ class ZOTrainer(Trainer):
     def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
         """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
         if self.args.zo_engine == "dual":
-            exact_restore = bool(self.args.zo_exact_restore)
-            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=exact_restore)
+            # zo_exact_restore=None: the engine restores as the optimizer decided (on for small fp16/bf16 sets).
+            engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=self.args.zo_exact_restore)
             optimizer.attach_engine(engine)
 
     # ------------------------------------------------------------------ distributed layout

@@ -204,6 +204,38 @@ def test_exact_restore_in_bf16():
     assert drift[True] == 0.0 and drift[False] > 0.0
 
 
+def test_engine_restores_as_the_optimizer_decides_by_default(tmp_path):
+    """A small bf16 set gets exact restore by default (the optimizer's `exact_restore=None`), with the dual engine
+    too: through the trainer, lr 0 leaves every weight bit for bit."""
+    from hf_zo import ZOConfig, ZOTrainer
+
+    from tiny_models import lm_dataset
+
+    model = _model("llama").to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = ZOConfig(
+        output_dir=str(tmp_path),
+        learning_rate=0.0,
+        zo_eps=1e-2,
+        zo_engine="dual",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(8, length=8))
+    trainer.train()
+    assert trainer.optimizer.optimizer.engine.exact_restore is True  # inside accelerate's wrapper
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+    optimizer = ZOSGD(model.parameters(), lr=0.0, eps=1e-2, exact_restore=False)
+    optimizer.attach_engine(DualEngine(model))
+    assert optimizer.engine.exact_restore is False
+
+
 def test_plain_forwards_are_untouched_outside_estimates():
     model = _model("qwen2")
     ids = torch.randint(2, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -68,11 +68,13 @@ class DualEngine:
         model (`nn.Module`): the model whose loss the closures compute.
         blocks (`list[nn.Module]`, *optional*): its repeated blocks; found with `find_blocks` by default.
         offloader (`hf_zo.offload.BlockOffloader`, *optional*): streams offloaded blocks (its blocks are used).
-        exact_restore (`bool`, defaults to `False`):
+        exact_restore (`bool`, *optional*):
             Keep a copy of each block (and of the tensors outside the blocks) between the pending update and the
             perturbation, and restore from it after the ``-`` pass instead of leaving ``+eps z`` pending: exact
             restore in bf16/fp16 for the memory of one block, at the cost of bitwise agreement with the
-            sequential engine's fp32 sweep order.
+            sequential engine's fp32 sweep order. By default the engine follows the optimizer it is attached to
+            (`ZOOptimizer(exact_restore=...)`, whose default turns it on for trainable fp16/bf16 sets of up to 4M
+            elements and warns about the drift otherwise).
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class DualEngine:
         model: nn.Module,
         blocks: list[nn.Module] | None = None,
         offloader: BlockOffloader | None = None,
-        exact_restore: bool = False,
+        exact_restore: bool | None = None,
     ):
         self.model = model
         self.offloader = offloader

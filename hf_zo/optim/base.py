@@ -210,8 +210,11 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def attach_engine(self, engine) -> None:
         """Run estimates and flushes with `engine` (e.g. `hf_zo.engine.DualEngine`) instead of the sequential
-        estimator. The engine must implement ``estimate(params, eps, closure, seed)`` and ``flush(params)``."""
+        estimator. The engine must implement ``estimate(params, eps, closure, seed)`` and ``flush(params)``; an
+        engine whose `exact_restore` is `None` restores as this optimizer does."""
         self.flush()
+        if getattr(engine, "exact_restore", False) is None:
+            engine.exact_restore = self.estimator.exact_restore
         self.engine = engine
 
     def _count_skip(self) -> None:
