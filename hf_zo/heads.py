@@ -259,7 +259,7 @@ def cross_validated_l2(
     """The L2 penalty of `grid` whose logistic regression has the lowest mean cross-entropy on held-out folds.
 
     The best penalty depends on the number of examples: on 512 SST-2 phrases a penalty of 1e-2 fits the training set
-    perfectly and halves the held-out likelihood (validation loss 0.95 against 0.50 at the chosen 0.3, and 2.4
+    perfectly and nearly doubles the held-out loss (validation loss 0.95 against 0.50 at the chosen 0.3, and 2.4
     points of accuracy), while on 16,384 it is about right. The folds are a fixed permutation, so every process of a
     distributed run (all fitting on the same examples) picks the same penalty, and no random stream is consumed.
 
