@@ -28,6 +28,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from .parallel.head_gradients import Gradients, MicroBatch, sum_in_single_process_order
+from .parallel.mesh import ZOMesh
 from .pooled_classifier import pooling_mismatch
 
 logger = logging.get_logger(__name__)
@@ -370,27 +372,36 @@ class FirstOrderHead:
     of a forward pass carries a graph through the heads only; :meth:`backward` accumulates their gradients and
     :meth:`step` applies the mean gradient with AdamW. The body runs without autograd as before.
 
-    The gradients are summed per micro-batch (:meth:`end_micro_batch`), then over micro-batches, then over ranks in
-    rank order, so `k` data-parallel ranks and one process accumulating the same `k` micro-batches add the same
-    numbers in the same order and train bit-identical heads.
+    Each forward's gradients are kept apart (:meth:`backward`) and grouped by micro-batch (:meth:`end_micro_batch`);
+    :meth:`step` adds them in the order one process accumulating the step's micro-batches adds them, gathering every
+    rank's on a mesh (:func:`~hf_zo.parallel.head_gradients.sum_in_single_process_order`), so data parallelism,
+    perturbation parallelism and both train heads bit-identical to one process's.
 
     Args:
         heads (`Mapping[str, nn.Module]`): the head modules.
         params (`list[torch.Tensor]`): their trainable parameters.
         lr (`float`): AdamW learning rate at a schedule factor of 1 (see :meth:`step`).
         weight_decay (`float`, defaults to 0.0): AdamW weight decay.
+        mesh (`ZOMesh`, *optional*): this rank's place in a DistZO2 layout; defaults to a single process.
     """
 
     def __init__(
-        self, heads: Mapping[str, nn.Module], params: list[torch.Tensor], lr: float, weight_decay: float = 0.0
+        self,
+        heads: Mapping[str, nn.Module],
+        params: list[torch.Tensor],
+        lr: float,
+        weight_decay: float = 0.0,
+        mesh: ZOMesh | None = None,
     ):
         if not params:
             raise ValueError(f"The heads {list(heads)} have no trainable parameters to train first-order.")
         self.params = params
         self.lr = lr
+        self.mesh = mesh if mesh is not None else ZOMesh()
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        self.num_backward = 0
-        self._sums: list[torch.Tensor | None] = [None] * len(params)  # gradient sums of the finished micro-batches
+        self._num_forwards = 0  # this rank's forwards with a graph in the current step
+        self._forwards: MicroBatch = []  # the current micro-batch's gradients (see `backward`)
+        self._micro_batches: list[MicroBatch] = []  # the step's finished micro-batches
         self._active = 0  # captures in progress (the dual engine runs both forwards' closures concurrently)
         self._handles = [h.register_forward_pre_hook(self._enter_head) for h in heads.values()]
 
@@ -412,20 +423,32 @@ class FirstOrderHead:
             torch.set_grad_enabled(previous)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Accumulate the heads' gradients of `loss` (if it has a graph) and return it detached."""
+        """Accumulate the heads' gradients of `loss` (if it has a graph) and return it detached.
+
+        A rank that runs every forward of its micro-batches (no perturbation parallelism) lets autograd add them up
+        in ``.grad``, as one process does; under perturbation parallelism each forward's gradients are kept apart,
+        to be interleaved with the other ranks' forwards at :meth:`step`.
+        """
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
-            self.num_backward += 1
+            self._num_forwards += 1
+            if self.mesh.pertp_size > 1:
+                self._forwards.append(self._take_gradients())
             return loss.detach()
         return loss
 
     def end_micro_batch(self) -> None:
-        """Close the current micro-batch: add its gradients (the sum over its forward passes) to the step's sums."""
-        for index, p in enumerate(self.params):
-            if p.grad is not None:
-                total = self._sums[index]
-                self._sums[index] = p.grad if total is None else total + p.grad
-                p.grad = None
+        """Close the current micro-batch (if it ran a forward with a graph)."""
+        if self.mesh.pertp_size == 1 and any(p.grad is not None for p in self.params):
+            self._forwards.append(self._take_gradients())
+        if not self._forwards:
+            return
+        if self.mesh.world_size == 1:  # nothing to interleave: keep one running sum
+            total, _ = sum_in_single_process_order([*self._micro_batches, self._forwards], 0, self.params, self.mesh)
+            self._micro_batches = [[total]]
+        else:
+            self._micro_batches.append(self._forwards)
+        self._forwards = []
 
     def step(self, lr_scale: float = 1.0) -> None:
         """Apply the mean of the step's gradients (over every forward pass of every rank) and clear them.
@@ -437,18 +460,20 @@ class FirstOrderHead:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * lr_scale
         self.end_micro_batch()
-        count = self.num_backward
-        sums = self._sums
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            count = int(_sum_in_rank_order(torch.tensor([count], dtype=torch.int64)))
-            sums = [None if total is None else _sum_in_rank_order(total) for total in sums]
+        sums, count = sum_in_single_process_order(self._micro_batches, self._num_forwards, self.params, self.mesh)
         if count:
             for p, total in zip(self.params, sums):
                 p.grad = None if total is None else total / count
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._sums = [None] * len(self.params)
-        self.num_backward = 0
+        self._micro_batches = []
+        self._num_forwards = 0
+
+    def _take_gradients(self) -> Gradients:
+        gradients = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return gradients
 
     def close(self) -> None:
         """Remove the hooks from the heads."""
@@ -569,7 +594,11 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     names = head_parameter_names(model, heads)
     named = dict(model.named_parameters())
     first_order = FirstOrderHead(
-        heads, [named[n] for n in names], lr=args.zo_head_learning_rate, weight_decay=args.weight_decay
+        heads,
+        [named[n] for n in names],
+        lr=args.zo_head_learning_rate,
+        weight_decay=args.weight_decay,
+        mesh=trainer.zo_plugin.setup(),
     )
     zo_heads = ZOHeads(list(heads), names, first_order)
     if resume_from_checkpoint:
@@ -579,15 +608,3 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
         if checkpoint:
             zo_heads.load_checkpoint(checkpoint)
     return zo_heads
-
-
-def _sum_in_rank_order(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of every rank's `tensor`, added in rank order: the same bits on every rank and the same additions as
-    one process accumulating the ranks' micro-batches in turn (an all-reduce's order depends on the backend). A
-    head-sized exchange."""
-    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(gathered, tensor.contiguous())
-    total = gathered[0]
-    for part in gathered[1:]:
-        total = total + part
-    return total

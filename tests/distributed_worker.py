@@ -31,6 +31,10 @@ DISK = dict(zo_engine="dual", zo_offload="disk")
 SLICED = dict(DISK, zo_offload_sliced_upload=True)
 LOZO = dict(zo_optimizer="lozo", zo_lozo_subspace_steps=2)  # the subspace changes within the run
 HIZOO = dict(zo_optimizer="hizoo", zo_hizoo_smooth=1e-3)  # H moves visibly in 4 steps
+# The first-order head alone (no linear probe): its gradient sums are the one non-scalar exchange.
+FIRST_ORDER_HEAD = dict(
+    zo_head_init="none", zo_head_training="first_order", dataset=classification_dataset(64), steps=3
+)
 WRITES: list[str] = []
 
 
@@ -166,9 +170,19 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
         runs["disk_sliced"] = train(out, "disk_sliced", tiny_causal_lm("opt"), **SLICED)
         runs["lora_disk_sliced"] = train(out, "lora_disk_sliced", lora(tiny_causal_lm("llama")), **SLICED)
+        runs["bert_first_order"] = train(out, "bert_first_order", tiny_bert_classifier(), **FIRST_ORDER_HEAD)
     elif scenario == "2x2":
         # The layout comes from ZOConfig here (the other launches use HF_ZO_PERTURBATION_PARALLEL_SIZE).
         runs["full"] = train(out, "full", tiny_causal_lm("opt"), zo_perturbation_parallel_size=2)
+        for accumulation in (1, 2):
+            runs[f"bert_first_order_accumulate{accumulation}"] = train(
+                out,
+                f"bert_first_order_accumulate{accumulation}",
+                tiny_bert_classifier(),
+                accumulation=accumulation,
+                zo_perturbation_parallel_size=2,
+                **FIRST_ORDER_HEAD,
+            )
         runs["pertp4_q2"] = train(
             out, "pertp4", tiny_causal_lm("opt"), zo_perturbation_parallel_size=4, zo_num_perturbations=2
         )
@@ -190,6 +204,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["bert_first_order"] = train(
             out, "bert_first_order", tiny_bert_classifier(), zo_head_training="first_order", **classify
         )
+        runs["bert_first_order_accumulate2"] = train(
+            out, "bert_first_order_accumulate2", tiny_bert_classifier(), accumulation=2, **FIRST_ORDER_HEAD
+        )
     elif scenario == "reference":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
@@ -198,6 +215,14 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["lozo_accumulate2"] = train(out, "lozo_acc", tiny_causal_lm("opt"), accumulation=2, **LOZO)
         runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        for accumulation in (1, 2, 4):
+            runs[f"bert_first_order_accumulate{accumulation}"] = train(
+                out,
+                f"bert_first_order_accumulate{accumulation}",
+                tiny_bert_classifier(),
+                accumulation=accumulation,
+                **FIRST_ORDER_HEAD,
+            )
     elif scenario == "diverge":
         diverge = [DivergeAtStep(2)] if rank == 1 else None
         train(out, "diverge", tiny_causal_lm("opt"), callbacks=diverge, zo_verify_replicas_steps=1)

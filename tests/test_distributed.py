@@ -123,10 +123,32 @@ def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, referen
 
 @pytest.mark.multiprocess
 def test_data_parallel_classifier_replicas_agree_with_zo_and_first_order_heads(dp2):
-    # The first-order head's gradient sums are all-gathered and added in rank order (head-sized, the one non-scalar
-    # exchange).
     for run in ("bert", "bert_first_order"):
         _assert_bitwise_equal(dp2[0]["runs"][run]["params"], dp2[1]["runs"][run]["params"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout, run, reference_run",
+    [
+        ("pertp2", "bert_first_order", "bert_first_order_accumulate1"),
+        ("dp2", "bert_first_order_accumulate2", "bert_first_order_accumulate4"),
+        ("mesh2x2", "bert_first_order_accumulate1", "bert_first_order_accumulate2"),
+        ("mesh2x2", "bert_first_order_accumulate2", "bert_first_order_accumulate4"),
+    ],
+)
+def test_first_order_head_equals_one_process_in_every_layout(request, reference, layout, run, reference_run):
+    # Every forward's head gradients are gathered and added in one process's order: each micro-batch's forwards
+    # (split between PertP ranks) left to right, then the micro-batches (split between DP groups) in global order.
+    for rank in request.getfixturevalue(layout):
+        _assert_bitwise_equal(rank["runs"][run]["params"], reference[reference_run]["params"])
+
+
+@pytest.mark.multiprocess
+def test_first_order_head_runs_differ_with_their_accumulation(reference):
+    # Guards the equalities above: one more micro-batch per step must change the head.
+    heads = [reference[f"bert_first_order_accumulate{k}"]["params"]["classifier.weight"] for k in (1, 2, 4)]
+    assert not torch.equal(heads[0], heads[1]) and not torch.equal(heads[1], heads[2])
 
 
 @pytest.mark.multiprocess
