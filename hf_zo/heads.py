@@ -372,10 +372,11 @@ class FirstOrderHead:
     of a forward pass carries a graph through the heads only; :meth:`backward` accumulates their gradients and
     :meth:`step` applies the mean gradient with AdamW. The body runs without autograd as before.
 
-    Each forward's gradients are kept apart (:meth:`backward`) and grouped by micro-batch (:meth:`end_micro_batch`);
-    :meth:`step` adds them in the order one process accumulating the step's micro-batches adds them, gathering every
-    rank's on a mesh (:func:`~hf_zo.parallel.head_gradients.sum_in_single_process_order`), so data parallelism,
-    perturbation parallelism and both train heads bit-identical to one process's.
+    The gradients are summed per micro-batch (:meth:`end_micro_batch`; kept per forward under perturbation
+    parallelism, where a micro-batch's forwards run on several ranks), and :meth:`step` adds them in the order one
+    process accumulating the step's micro-batches adds them, gathering every rank's on a mesh
+    (:func:`~hf_zo.parallel.head_gradients.sum_in_single_process_order`), so data parallelism, perturbation
+    parallelism and both train heads bit-identical to one process's.
 
     Args:
         heads (`Mapping[str, nn.Module]`): the head modules.
