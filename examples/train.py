@@ -312,11 +312,12 @@ class PromptZOTrainer(ZOTrainer):
 
 
 def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
+    """`--task_type`, or for `auto` the one the checkpoint's architecture (an adapter's base model's) implies."""
     if model_args.task_type != "auto":
         return model_args.task_type
     if data.task_name is None:
         return "causal_lm"
-    architectures = AutoConfig.from_pretrained(model_args.model_name_or_path).architectures or []
+    architectures = AutoConfig.from_pretrained(base_model_path(model_args.model_name_or_path)).architectures or []
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
     return "prompt_classification" if causal else "classification"
 
@@ -353,16 +354,23 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
     )
 
 
+def base_model_path(model_name_or_path: str) -> str:
+    """The base model that a folder saved with `--peft` (an adapter) names; any other path unchanged."""
+    if os.path.isfile(os.path.join(model_name_or_path, "adapter_config.json")):
+        from peft import PeftConfig
+
+        return PeftConfig.from_pretrained(model_name_or_path).base_model_name_or_path
+    return model_name_or_path
+
+
 def load_model(model_args: ModelArguments, task_type: str, num_labels: int | None, tokenizer, trainable: bool = True):
     """The model of the task; a sentence-transformers checkpoint's classifier uses the checkpoint's pooling. A folder
     saved with `--peft` (an adapter) loads onto the base model it names, and is trainable only if `trainable`."""
     adapter_path = model_args.model_name_or_path
-    if os.path.isfile(os.path.join(adapter_path, "adapter_config.json")):
-        from peft import PeftConfig, PeftModel
+    if (base := base_model_path(adapter_path)) != adapter_path:
+        from peft import PeftModel
 
-        base_args = dataclasses.replace(
-            model_args, model_name_or_path=PeftConfig.from_pretrained(adapter_path).base_model_name_or_path, peft=None
-        )
+        base_args = dataclasses.replace(model_args, model_name_or_path=base, peft=None)
         model = load_model(base_args, task_type, num_labels, tokenizer)
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=trainable)
     dtype = getattr(torch, model_args.torch_dtype)

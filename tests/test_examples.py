@@ -161,6 +161,16 @@ def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
         if key in metrics:
             assert again[key] == pytest.approx(metrics[key], abs=1e-6), key
 
+    # The documented evaluate-only command, on the output folder (an adapter's loads onto the base it names).
+    validation = ["--validation_file", str(workspace / f"validation.{extension}")]
+    _, evaluated = train_script.main(
+        ["--model_name_or_path", str(tmp_path / "out"), *validation, *extra, "--do_eval"]
+        + ["--output_dir", str(tmp_path / "eval-out"), "--report_to", "none", "--use_cpu", "--max_length", "32"]
+    )
+    for key in ("eval_loss", "eval_accuracy"):
+        if key in metrics:
+            assert evaluated[key] == pytest.approx(metrics[key], abs=1e-6), key
+
 
 def test_prompt_evaluation_scores_label_words(workspace, tmp_path):
     """Evaluation picks the label word with the highest log-likelihood after the prompt."""
