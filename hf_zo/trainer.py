@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging as std_logging
 import math
 import os
 import shutil
@@ -86,6 +87,7 @@ class ZOTrainer(Trainer):
             args = ZOConfig(output_dir=f"{model_name.split('/')[-1]}-ZO")
         elif not isinstance(args, ZOConfig):
             args = _to_zo_config(args)
+        _follow_process_log_level(args)
         if model is not None and train_dataset is not None:  # a model loaded to be evaluated may be frozen
             _check_trainable(model)
         if args.learning_rate is None or args.zo_eps is None:
@@ -437,6 +439,17 @@ def _check_trainable(model: torch.nn.Module) -> None:
             "for ZO to update. For PEFT, wrap the model with peft.get_peft_model(model, config); for full "
             "fine-tuning, call model.requires_grad_(True)."
         )
+
+
+def _follow_process_log_level(args: ZOConfig) -> None:
+    """Give hf_zo's loggers the level `Trainer` gives transformers' (`log_level` on the main process,
+    `log_level_replica` on the others; transformers' verbosity when `"passive"`), and print their records to stderr
+    when the application has configured no logging, as transformers' own handler does."""
+    library = std_logging.getLogger("hf_zo")
+    library.setLevel(args.get_process_log_level())
+    if not library.handlers and not std_logging.getLogger().handlers:
+        library.addHandler(std_logging.StreamHandler())
+        library.propagate = False
 
 
 def _to_zo_config(args: TrainingArguments) -> ZOConfig:
