@@ -1,5 +1,6 @@
 """Shared pytest fixtures: quiet, offline, deterministic."""
 
+import logging as std_logging
 import os
 
 import pytest
@@ -15,3 +16,5 @@ def _quiet_transformers():
 
     logging.set_verbosity_error()
     yield
+    # A ZOTrainer gives the "hf_zo" logger its process log level (here: error); the next test starts unset again.
+    std_logging.getLogger("hf_zo").setLevel(std_logging.NOTSET)

@@ -411,6 +411,11 @@ def test_pooled_classifier_replays_from_the_sentence_encoder_folder_alone(tmp_pa
     trainer.train()
     trainer.save_model()
 
+    # No start values stored: the encoder holds the body and the LayerNorm copies of LN tuning start as its own;
+    # the head is trained first-order, so only its end values are.
+    trajectory = ZOTrajectory.load(tmp_path / "run")
+    assert trajectory.initial_tensors == {}
+    assert len(trajectory.final_tensors) == 2  # the head's weight and bias
     assert cli_main(["replay", base, str(tmp_path / "run"), str(tmp_path / "out")]) == 0, capsys.readouterr().err
     weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
     _assert_bitwise(load_file(tmp_path / "out" / weights), load_file(tmp_path / "run" / weights))

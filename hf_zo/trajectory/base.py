@@ -23,8 +23,9 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # PEFT wraps a base module without renaming its tensors in the checkpoint: `query.base_layer.weight` is
-# `query.weight`, and a `modules_to_save` copy starts as the module it copies.
-_PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+# `query.weight`, and a `modules_to_save` copy or an LN-tuning copy (`ln_tuning_layers`) starts as the module it
+# copies.
+_PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|(?:modules_to_save|ln_tuning_layers)\.[^.]+)(?=\.)")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # A plain model's tensors missing from its checkpoint are a head or a few renamed norms; more than this means its
