@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.engine.blocks import find_blocks
-from hf_zo.optim import ZOSGD
+from hf_zo.optim import ZOSGD, ZOSGDMomentum
 from hf_zo.parallel.mesh import build_mesh
 
 from tiny_models import lm_dataset, tiny_causal_lm
@@ -82,6 +82,21 @@ def test_optimizer_without_parameters():
         ZOSGD([], lr=0.1)
     with pytest.raises(ValueError, match="got no parameters: check that some have requires_grad=True"):
         ZOSGD([{"params": []}], lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "optimizer, kwargs, message",
+    [
+        (ZOSGD, {"weight_decy": 0.1}, "ZOSGD got unexpected keyword arguments ['weight_decy']; its options are lr,"),
+        (ZOSGD, {"noise_algorithm": "torch"}, "choose the noise algorithm with noise=Noise('gaussian', algorithm="),
+        (ZOSGDMomentum, {"momentun": 0.5}, "['momentun']; its options are lr, eps, weight_decay,"),
+    ],
+)
+def test_optimizer_refuses_an_unknown_keyword(optimizer, kwargs, message):
+    # As torch.optim does: a misspelt option must not become a silent per-group key.
+    with pytest.raises(TypeError) as error:
+        optimizer(torch.nn.Linear(2, 2).parameters(), lr=1e-3, **kwargs)
+    assert message in str(error.value)
 
 
 def test_negative_learning_rate():

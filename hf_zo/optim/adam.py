@@ -13,6 +13,7 @@ class ZOAdam(_ChunkwiseZOOptimizer):
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    group_hyperparameters = ("betas", "adam_eps", "adam_step")
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8, **kw):
         if not all(0.0 <= b < 1.0 for b in betas):

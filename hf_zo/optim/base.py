@@ -14,6 +14,7 @@ Two ways to drive it:
 
 from __future__ import annotations
 
+import inspect
 import logging
 from abc import ABCMeta, abstractmethod
 from collections import OrderedDict
@@ -62,8 +63,11 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             Keep each step's noise instead of regenerating it in the following sweeps (memory: a few times the
             trainable size). Default: on when the trainable parameters total at most `AUTO_CACHE_MAX_NUMEL`
             elements (typical of PEFT), off otherwise.
-        **defaults: further per-group hyper-parameters of the subclass.
+        **defaults: further per-group hyper-parameters of the subclass (named in `group_hyperparameters`).
     """
+
+    group_hyperparameters: tuple[str, ...] = ()
+    """The per-group hyper-parameters a subclass adds through ``**defaults``; any other keyword is refused."""
 
     needs_center_loss: bool = False
     """Whether each estimate also measures the loss at the unperturbed weights (its records then carry a curvature;
@@ -93,6 +97,16 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             raise ValueError(f"num_perturbations must be an integer >= 1, got {num_perturbations!r}.")
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips}.")
+        if unknown := sorted(set(defaults) - set(self.group_hyperparameters)):
+            signature = inspect.signature(ZOOptimizer.__init__).parameters
+            base_options = [name for name in signature if name not in ("self", "params", "defaults")]
+            options = ", ".join([*base_options, *self.group_hyperparameters])
+            hint = ""
+            if any("noise" in name for name in unknown):
+                hint = "; choose the noise algorithm with noise=Noise('gaussian', algorithm=...)"
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword arguments {unknown}; its options are {options}{hint}."
+            )
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **defaults))
         if not isinstance(noise, Noise):
             noise = Noise(noise, device_type=_device_type(self.param_groups))

@@ -89,6 +89,7 @@ class HiZOO(_ChunkwiseZOOptimizer):
 
     needs_center_loss = True
     state_keys = ("hessian",)
+    group_hyperparameters = ("hessian_smooth",)
 
     def __init__(self, params, lr: float, hessian_smooth: float = DEFAULT_HESSIAN_SMOOTH, noise="gaussian", **kwargs):
         if not (isinstance(hessian_smooth, (int, float)) and 0.0 <= hessian_smooth < 1.0):

@@ -80,6 +80,8 @@ class LOZO(ZOSGD):
         subspace_steps (`int`, defaults to 50): steps that share the right factor ``V`` (LOZO's `nu`).
     """
 
+    group_hyperparameters = ("rank", "subspace_steps")
+
     def __init__(self, params, lr: float, rank: int = 2, subspace_steps: int = 50, noise="gaussian", **kwargs):
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {rank!r}.")

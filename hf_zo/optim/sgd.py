@@ -86,6 +86,7 @@ class ZOSGDMomentum(_ChunkwiseZOOptimizer):
     """
 
     state_keys = ("momentum_buffer",)
+    group_hyperparameters = ("momentum",)
 
     def __init__(self, params, lr: float, momentum: float = 0.9, **kwargs):
         if not 0.0 <= momentum < 1.0:
