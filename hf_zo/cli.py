@@ -30,7 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except BrokenPipeError:  # the reader of the output stopped early (`hf-zo inspect ... | head`), as Unix tools allow
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exiting flushes nothing into it
+        return 0
+    except (ValueError, OSError) as error:  # a bad file, a missing folder or Hub repo, a mismatching base
         print(f"hf-zo {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,8 @@ import json
 import math
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -480,7 +482,21 @@ def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
     assert cli_main(["replay", str(tmp_path / "other"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     # A LoRA adapter's updates do not depend on the frozen base: its fingerprint tells the bases apart.
     expected = "is not the base the trajectory" if user_path == "full" else "frozen weights of this model are not"
-    assert expected in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert expected in error and "hf-zo replay --no-verify" in error
+
+    # A base that is neither a folder nor a valid Hub id: one line of error, no traceback.
+    assert cli_main(["replay", str(tmp_path / "missing"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("hf-zo replay: error: ")
+
+
+def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
+    # `hf-zo inspect run | head`: the reader may exit first (`true` always does); Unix tools then stop quietly.
+    model = torch.nn.Linear(4, 2)
+    ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=0.1)).save(tmp_path / "run")
+    command = f"{sys.executable} -m hf_zo.cli inspect {tmp_path / 'run'} | true"
+    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    assert result.stderr == "", result.stderr
 
 
 def test_trajectory_saved_without_the_model_lacks_the_tensors_trained_outside_zo(tmp_path, capsys):

@@ -15,10 +15,11 @@ def main() -> int:
         return 2
     try:
         seconds = build(verbose=True)
+        simd = load_kernel().simd()  # also checks HF_ZO_PHILOX_SIMD
     except Exception as error:
         print(f"Building {KERNEL_NAME} failed: {error}\nhf_zo will use its slower torch noise.", file=sys.stderr)
         return 1
-    print(f"{KERNEL_NAME} ready ({seconds:.1f} s; {load_kernel().simd()} code on this CPU).")
+    print(f"{KERNEL_NAME} ready ({seconds:.1f} s; {simd} code on this CPU).")
     return 0
 
 

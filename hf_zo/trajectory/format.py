@@ -511,7 +511,7 @@ class ZOTrajectory:
         raise TrajectoryMismatchError(
             f"This model is not the base the trajectory was recorded on: {len(differ)} of "
             f"{len(expected['parameters'])} trainable parameters differ ({listed}). Load {load}, or pass "
-            "verify=False to replay anyway (the result will not match the trained weights)."
+            "verify=False (hf-zo replay --no-verify) to replay anyway (the result will not match the trained weights)."
         )
 
     def _verify_frozen(self, model: torch.nn.Module) -> None:
@@ -523,7 +523,7 @@ class ZOTrajectory:
             f"The frozen weights of this model are not those of the base the trajectory was recorded on (their "
             f"fingerprint over {expected['tensors']} tensors differs), so the trained tensors would be replayed onto "
             f"another model. Load {base['name_or_path']!r} (revision {base['revision']!r}) with "
-            f"dtype={base['dtype']}, or pass verify=False to replay anyway."
+            f"dtype={base['dtype']}, or pass verify=False (hf-zo replay --no-verify) to replay anyway."
         )
 
     def replayable(self) -> str | None:
