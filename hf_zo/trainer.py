@@ -444,10 +444,12 @@ def _check_trainable(model: torch.nn.Module) -> None:
 def _follow_process_log_level(args: ZOConfig) -> None:
     """Give hf_zo's loggers the level `Trainer` gives transformers' (`log_level` on the main process,
     `log_level_replica` on the others; transformers' verbosity when `"passive"`), and print their records to stderr
-    when the application has configured no logging, as transformers' own handler does."""
-    library = std_logging.getLogger("hf_zo")
-    library.setLevel(args.get_process_log_level())
-    if not library.handlers and not std_logging.getLogger().handlers:
+    when the application has configured no logging, as transformers' own handler does. A `"passive"` level leaves
+    an application's own logging configuration (`logging.basicConfig`) in charge."""
+    library, configured = std_logging.getLogger("hf_zo"), bool(std_logging.getLogger().handlers)
+    if (args.log_level if args.should_log else args.log_level_replica) != "passive" or not configured:
+        library.setLevel(args.get_process_log_level())
+    if not library.handlers and not configured:
         library.addHandler(std_logging.StreamHandler())
         library.propagate = False
 

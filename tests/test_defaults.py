@@ -100,19 +100,28 @@ def test_bad_learning_rate_or_eps_fail_at_construction(tmp_path, field, value):
 
 
 CHOICE_LOGGED = """
+import logging
 import sys
 sys.path.insert(0, {tests!r})
 from hf_zo import ZOConfig, ZOTrainer
 from tiny_models import lm_dataset, tiny_causal_lm
+{setup}
 args = ZOConfig(output_dir={out!r}, max_steps=1, report_to=[], use_cpu=True, log_level={level!r})
 ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
 """
 
 
-@pytest.mark.parametrize("level, shown", [("info", True), ("passive", False)])
-def test_the_chosen_values_are_logged_at_the_trainers_log_level(tmp_path, level, shown):
-    # A plain script that configures no logging: hf_zo's INFO records follow `log_level` like transformers' do.
-    script = CHOICE_LOGGED.format(tests=str(Path(__file__).parent), out=str(tmp_path), level=level)
+@pytest.mark.parametrize(
+    "level, setup, shown",
+    [
+        ("info", "", True),  # a plain script: hf_zo's INFO records follow `log_level` like transformers' do
+        ("passive", "", False),
+        ("passive", "logging.basicConfig(level=logging.INFO)", True),  # the application's configuration rules
+        ("warning", "logging.basicConfig(level=logging.INFO)", False),
+    ],
+)
+def test_the_chosen_values_are_logged_at_the_trainers_log_level(tmp_path, level, setup, shown):
+    script = CHOICE_LOGGED.format(tests=str(Path(__file__).parent), out=str(tmp_path), level=level, setup=setup)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     message = "ZOConfig: learning_rate=1e-06, zo_eps=0.001 for method 'full'"
