@@ -154,6 +154,26 @@ def test_probe_examples_are_a_seeded_sample_in_the_data_sets_order():
     assert probe_examples(stream, 10, seed=0) is stream
 
 
+def test_probe_examples_are_ordered_by_length_when_tokenized():
+    """A tokenized set's probe examples come shortest first (little padding per batch), and they are the same
+    examples, in a deterministic order, as the seeded draw of an untokenized set."""
+    from datasets import Dataset
+
+    lengths = [(7 * i) % 13 + 1 for i in range(40)]
+    tokenized = Dataset.from_dict({"index": list(range(40)), "input_ids": [[5] * n for n in lengths]})
+
+    drawn = probe_examples(tokenized, 10, seed=0)
+
+    untokenized = probe_examples(tokenized.remove_columns("input_ids"), 10, seed=0)
+    assert sorted(drawn["index"]) == untokenized["index"]
+    assert [len(ids) for ids in drawn["input_ids"]] == sorted(lengths[i] for i in untokenized["index"])
+    assert drawn["index"] == probe_examples(tokenized, 10, seed=0)["index"]
+    whole = probe_examples(tokenized, None, seed=0)
+    assert [len(ids) for ids in whole["input_ids"]] == sorted(lengths)
+    ties = [i for i in whole["index"] if lengths[i] == 1]
+    assert ties == sorted(ties)  # equal lengths keep the set's order
+
+
 def test_linear_probe_of_a_trainer_samples_a_set_grouped_by_label():
     """`ZOTrainer`'s probe on a training set sorted by label, fitted on fewer examples than the first label has,
     still learns both labels (the first rows alone would give a head that predicts one label)."""
