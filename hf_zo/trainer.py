@@ -17,9 +17,10 @@ import shutil
 from collections.abc import Mapping
 
 import torch
+from torch.utils.data import RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length, rotate_checkpoints
 from transformers.utils import logging
 
 from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
@@ -27,6 +28,7 @@ from .config import ZOConfig
 from .defaults import fill_method_defaults
 from .engine import DualEngine
 from .heads import ZOHeads, prepare_zo_heads
+from .length_grouping import SamplerEpochCallback, ZOLengthGroupedSampler, example_lengths
 from .noise import Noise
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
@@ -125,6 +127,8 @@ class ZOTrainer(Trainer):
             )
         self._check_train_dataset()
         self.add_callback(ZOFlushCallback)
+        self.zo_sampler_epoch = SamplerEpochCallback()
+        self.add_callback(self.zo_sampler_epoch)
         self.zo_trajectory_callback = ZOTrajectoryCallback()
         self.add_callback(self.zo_trajectory_callback)
         if self.zo_plugin.is_distributed:
@@ -223,6 +227,36 @@ class ZOTrainer(Trainer):
         """`Trainer.get_train_dataloader`, sharded by data-parallel rank (`zo_plugin`): the ranks of one
         perturbation-parallel group see the same batches."""
         return self.zo_plugin.prepare_data_loader(super().get_train_dataloader())
+
+    def _get_train_sampler(self, train_dataset=None):
+        """`Trainer`'s sampler, except with `train_sampling_strategy="group_by_length"` (`ZOConfig`'s default): a
+        :class:`~hf_zo.length_grouping.ZOLengthGroupedSampler` over the global batch, or random sampling with a
+        warning when the examples' lengths cannot be read."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy != "group_by_length" or dataset is None or not has_length(dataset):
+            return super()._get_train_sampler(train_dataset)
+        input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+        lengths = example_lengths(dataset, self.args.length_column_name, input_name[0])
+        if lengths is None:
+            logger.warning(
+                "train_sampling_strategy='group_by_length' (ZOConfig's default) needs each training example's "
+                f"length: a '{self.args.length_column_name}' column or '{input_name[0]}' in every example, which "
+                f"this {type(dataset).__name__} lacks. Batches are drawn at random instead; set "
+                "train_sampling_strategy='random' to silence this, or add the column."
+            )
+            return RandomSampler(dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        self.zo_sampler_epoch.sampler = ZOLengthGroupedSampler(
+            lengths, self.get_total_train_batch_size(self.args), seed
+        )
+        return self.zo_sampler_epoch.sampler
+
+    def _get_eval_sampler(self, eval_dataset):
+        """Evaluation and prediction keep the data set's order: only training batches are grouped by length, so
+        `predict` returns one row per example in order whatever `train_sampling_strategy` is."""
+        if eval_dataset is None or not has_length(eval_dataset):
+            return None
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Examples per optimizer step: the ranks of a perturbation-parallel group share theirs, so only the

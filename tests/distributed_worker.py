@@ -23,7 +23,14 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
 
-from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm  # noqa: E402
+from tiny_models import (  # noqa: E402
+    classification_dataset,
+    lm_dataset,
+    pad_lm_batch,
+    ragged_lm_dataset,
+    tiny_bert_classifier,
+    tiny_causal_lm,
+)
 
 STEPS = 4
 DUAL = dict(zo_engine="dual")
@@ -35,6 +42,9 @@ HIZOO = dict(zo_optimizer="hizoo", zo_hizoo_smooth=1e-3)  # H moves visibly in 4
 FIRST_ORDER_HEAD = dict(
     zo_head_init="none", zo_head_training="first_order", dataset=classification_dataset(64), steps=3
 )
+# Examples of 3 to 16 tokens, batched by length (ZOConfig's default): 6 optimizer steps an epoch at a global batch
+# of 4, so step 9 is in the second epoch and checkpoint-7 resumes there.
+RAGGED = dict(dataset=ragged_lm_dataset(24, seed=3), data_collator=pad_lm_batch, steps=9)
 WRITES: list[str] = []
 
 
@@ -114,6 +124,7 @@ def train(
     resume: str | None = None,
     callbacks=None,
     dataset=None,
+    data_collator=None,
     **config,
 ) -> dict:
     """Train `model` for `steps` optimizer steps; return its trainable parameters and the bytes sent per step."""
@@ -136,7 +147,9 @@ def train(
         **config,
     )
     dataset = lm_dataset(64, length=8) if dataset is None else dataset
-    trainer = ZOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+    trainer = ZOTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=data_collator, callbacks=callbacks
+    )
     trainer.zo_plugin.comm_stats.reset()
     trainer.zo_plugin.upload_stats.reset()
     trainer.train(resume_from_checkpoint=resume)
@@ -207,6 +220,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["bert_first_order_accumulate2"] = train(
             out, "bert_first_order_accumulate2", tiny_bert_classifier(), accumulation=2, **FIRST_ORDER_HEAD
         )
+        runs["ragged"] = train(out, "ragged", tiny_causal_lm("opt"), save_steps=7, **RAGGED)
+        checkpoint = str(out / "ragged" / "checkpoint-7")
+        runs["ragged_resumed"] = train(out, "ragged_resumed", tiny_causal_lm("opt"), resume=checkpoint, **RAGGED)
     elif scenario == "reference":
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["full_accumulate2"] = train(out, "full_acc", tiny_causal_lm("opt"), accumulation=2)
@@ -215,6 +231,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["lozo_accumulate2"] = train(out, "lozo_acc", tiny_causal_lm("opt"), accumulation=2, **LOZO)
         runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        runs["ragged_accumulate2"] = train(out, "ragged_acc", tiny_causal_lm("opt"), accumulation=2, **RAGGED)
         for accumulation in (1, 2, 4):
             runs[f"bert_first_order_accumulate{accumulation}"] = train(
                 out,

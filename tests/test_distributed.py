@@ -112,6 +112,7 @@ def test_perturbation_parallel_equals_one_process_doing_both_forwards(pertp2, re
         ("lora", "lora_accumulate2"),
         ("lozo", "lozo_accumulate2"),
         ("hizoo", "hizoo_accumulate2"),
+        ("ragged", "ragged_accumulate2"),  # batches grouped by length over the global batch
     ],
 )
 def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, reference_run):
@@ -277,9 +278,12 @@ def test_checkpoints_are_written_by_the_main_process_only(pertp2):
 
 
 @pytest.mark.multiprocess
-def test_resume_is_exact_in_the_same_layout(pertp2):
+def test_resume_is_exact_in_the_same_layout(pertp2, dp2):
     for rank in pertp2:
         _assert_bitwise_equal(rank["runs"]["resumed"]["params"], rank["runs"]["full"]["params"])
+    # Data parallel, resumed in the second epoch of length-grouped batches, each rank skipping its done batches.
+    for rank in dp2:
+        _assert_bitwise_equal(rank["runs"]["ragged_resumed"]["params"], rank["runs"]["ragged"]["params"])
 
 
 # ---------------------------------------------------------------------------------------------------- failures

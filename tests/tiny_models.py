@@ -96,6 +96,32 @@ def lm_dataset(num_examples: int = 16, length: int = 16, seed: int = 0):
     return Dataset.from_list(rows)
 
 
+RAGGED = ((3, 17), (0, 12), (1, 4))  # ranges of a ragged example's length, first token and step
+
+
+def ragged_lm_dataset(num_examples: int, seed: int = 0):
+    """Arithmetic token progressions of 3 to 16 tokens: batches of them need padding (see `pad_lm_batch`)."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(num_examples):
+        length, start, step = (int(torch.randint(low, high, (1,), generator=generator)) for low, high in RAGGED)
+        ids = [2 + (start + step * i) % 12 for i in range(length)]
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": ids})
+    return Dataset.from_list(rows)
+
+
+def pad_lm_batch(rows: list[dict]) -> dict:
+    """Right-pads a causal LM batch (pad token 1, no loss on padding)."""
+    width = max(len(row["input_ids"]) for row in rows)
+    fill = {"input_ids": 1, "attention_mask": 0, "labels": -100}
+    return {
+        key: torch.tensor([row[key] + [value] * (width - len(row[key])) for row in rows])
+        for key, value in fill.items()
+    }
+
+
 def classification_dataset(num_examples: int = 16, length: int = 8, seed: int = 0):
     """Sequences labelled by whether their first token is in the lower half of the vocabulary."""
     from datasets import Dataset
