@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from .length_grouping import example_lengths
 from .parallel.head_gradients import Gradients, MicroBatch, sum_in_single_process_order
 from .parallel.mesh import ZOMesh
 from .pooled_classifier import pooling_mismatch
@@ -302,9 +303,9 @@ def probe_examples(dataset, max_samples: int | None, seed: int):
     A data set is often ordered (sorted by length for padding, grouped by label as IMDB's files are), so its first
     examples are not a sample of it: a probe fitted on them learns the wrong task or a single class. The draw is
     seeded by `seed`, so every process of a distributed run takes the same examples. A `datasets.Dataset` with an
-    `input_ids` column is then ordered by length (ties in the set's order), so that the probe's batches carry
-    little padding: on 16,384 SST-2 phrases in batches of 64 the probe's forwards take 30 s instead of 104 s in a
-    random order. Other map-style sets keep their order among the drawn examples. A set no larger than
+    `input_ids` (or `length`) column is then ordered by length (ties in the set's order), so that the probe's
+    batches carry little padding: on 16,384 SST-2 phrases in batches of 64 the probe's forwards take 30 s instead
+    of 104 s in a random order. Other map-style sets keep their order among the drawn examples. A set no larger than
     `max_samples`, or `max_samples=None`, is used whole (ordered by length the same way), and a data set without a
     length (an `IterableDataset`) is used whole, in its own order.
 
@@ -322,8 +323,8 @@ def probe_examples(dataset, max_samples: int | None, seed: int):
     if max_samples is not None and len(dataset) > max_samples:
         generator = torch.Generator().manual_seed(seed)
         indices = torch.randperm(len(dataset), generator=generator)[:max_samples].sort().values.tolist()
-    if "input_ids" in (getattr(dataset, "column_names", None) or ()):
-        lengths = [len(ids) for ids in dataset.select(indices)["input_ids"]]
+    lengths = example_lengths(dataset.select(indices)) if hasattr(dataset, "column_names") else None
+    if lengths is not None:  # a tokenized datasets.Dataset: its lengths are one column read
         indices = [index for _, index in sorted(zip(lengths, indices), key=lambda pair: pair[0])]
     if indices == list(range(len(dataset))):
         return dataset
