@@ -1,7 +1,7 @@
-"""Training batches grouped by length (`ZOConfig`'s default): what each step sees, in every layout and resume."""
+"""Training batches grouped by length (`ZOConfig`'s default): what each step sees (resume: tests/test_trainer.py;
+layouts: tests/test_distributed.py)."""
 
 import logging
-import shutil
 
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
@@ -89,29 +89,3 @@ def test_without_lengths_training_batches_are_drawn_at_random_with_a_warning(tmp
 
     assert isinstance(sampler, RandomSampler)
     assert "group_by_length" in caplog.text and "train_sampling_strategy='random'" in caplog.text
-
-
-def test_resume_in_a_later_epoch_is_bitwise(tmp_path):
-    """Checkpoint in the second epoch (12 examples, 3 per step: 4 steps an epoch), resume, and end where the
-    uninterrupted run ends: the grouped order of every epoch is drawn again."""
-    data = ragged_lm_dataset(12, seed=1)
-    common = dict(max_steps=9, save_strategy="steps", save_steps=6, per_device_train_batch_size=3)
-    first = ZOTrainer(
-        model=tiny_causal_lm("opt"), args=_args(tmp_path / "a", **common), train_dataset=data, data_collator=pad
-    )
-    first.train()
-    uninterrupted = {k: v.clone() for k, v in first.model.state_dict().items()}
-
-    resumed_dir = tmp_path / "b" / "out"
-    resumed_dir.mkdir(parents=True)
-    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-6", resumed_dir / "checkpoint-6")
-    second = ZOTrainer(
-        model=tiny_causal_lm("opt", seed=5),
-        args=_args(tmp_path / "b", **common),
-        train_dataset=data,
-        data_collator=pad,
-    )
-    second.train(resume_from_checkpoint=str(resumed_dir / "checkpoint-6"))
-
-    for name, value in second.model.state_dict().items():
-        assert torch.equal(value, uninterrupted[name]), name

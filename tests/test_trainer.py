@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_zo import ZOConfig, ZOTrainer
 
-from tiny_models import lm_dataset, tiny_causal_lm
+from tiny_models import lm_dataset, pad_lm_batch, ragged_lm_dataset, tiny_causal_lm
 
 
 def _args(tmp_path, **overrides):
@@ -51,6 +51,23 @@ def test_training_loss_decreases(tmp_path, use_lora, noise):
     assert all("projected_grad" in h and "learning_rate" in h and "zo_skipped" in h for h in logs)
 
 
+def _train_and_resume(tmp_path, common: dict, data, checkpoint: str, **trainer_kwargs):
+    """Train uninterrupted, then resume a copy of its `checkpoint` into a fresh output directory, from another initial
+    model; returns both trainers (the resumed one writes under ``tmp_path / "b" / "out"``)."""
+    first = ZOTrainer(
+        model=tiny_causal_lm("opt"), args=_args(tmp_path / "a", **common), train_dataset=data, **trainer_kwargs
+    )
+    first.train()
+    resumed_dir = tmp_path / "b" / "out"
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "out" / checkpoint, resumed_dir / checkpoint)
+    second = ZOTrainer(
+        model=tiny_causal_lm("opt", seed=5), args=_args(tmp_path / "b", **common), train_dataset=data, **trainer_kwargs
+    )
+    second.train(resume_from_checkpoint=str(resumed_dir / checkpoint))
+    return first, second
+
+
 @pytest.mark.parametrize("optimizer", ["zo_sgd", "zo_adam"])
 def test_resume_from_checkpoint_is_bitwise(tmp_path, optimizer):
     data, eval_data = lm_dataset(24, seed=1), lm_dataset(4, seed=2)
@@ -67,26 +84,26 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path, optimizer):
         learning_rate=1e-3,
         weight_decay=0.1,
     )
-    first = ZOTrainer(
-        model=tiny_causal_lm("opt"), args=_args(tmp_path / "a", **common), train_dataset=data, eval_dataset=eval_data
-    )
-    first.train()
-    uninterrupted = {k: v.clone() for k, v in first.model.state_dict().items()}
+    first, second = _train_and_resume(tmp_path, common, data, "checkpoint-4", eval_dataset=eval_data)
 
-    resumed_dir = tmp_path / "b" / "out"
-    resumed_dir.mkdir(parents=True)
-    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-4", resumed_dir / "checkpoint-4")
-    second = ZOTrainer(
-        model=tiny_causal_lm("opt", seed=5),
-        args=_args(tmp_path / "b", **common),
-        train_dataset=data,
-        eval_dataset=eval_data,
-    )
-    second.train(resume_from_checkpoint=str(resumed_dir / "checkpoint-4"))
+    uninterrupted = first.model.state_dict()
     for name, value in second.model.state_dict().items():
         assert torch.equal(value, uninterrupted[name]), name
-    state = torch.load(resumed_dir / "checkpoint-8" / "optimizer.pt", weights_only=True)
+    state = torch.load(tmp_path / "b" / "out" / "checkpoint-8" / "optimizer.pt", weights_only=True)
     assert state["zo"]["step"] == 8 and state["zo"]["optimizer"] == first.zo_optimizer.__class__.__name__
+
+
+def test_resume_in_a_later_epoch_of_length_grouped_batches_is_bitwise(tmp_path):
+    """Checkpoint in the second epoch of ragged examples (12 examples, 3 per step: 4 steps an epoch), resume, and end
+    where the uninterrupted run ends: `ZOConfig`'s length-grouped order of every epoch is drawn again."""
+    common = dict(max_steps=9, save_strategy="steps", save_steps=6, per_device_train_batch_size=3)
+    first, second = _train_and_resume(
+        tmp_path, common, ragged_lm_dataset(12, seed=1), "checkpoint-6", data_collator=pad_lm_batch
+    )
+
+    uninterrupted = first.model.state_dict()
+    for name, value in second.model.state_dict().items():
+        assert torch.equal(value, uninterrupted[name]), name
 
 
 def test_gradient_accumulation_adds_perturbations(tmp_path):
