@@ -166,6 +166,9 @@ class ZOConfig(TrainingArguments):
             order. `"random"` is `Trainer`'s default.
         average_tokens_across_devices (`bool`, defaults to `False`):
             A ZO loss is the mean over its micro-batch, so the per-step all-gather of token counts is not needed.
+        dataloader_pin_memory (`bool`, defaults to `True`):
+            Turned off when torch sees no accelerator: pinned memory only speeds up copies to one, and without one
+            torch warns about it on every dataloader (training, the linear probe, each evaluation).
     """
 
     zo_eps: float | None = field(
@@ -261,6 +264,9 @@ class ZOConfig(TrainingArguments):
             # multi-GPU config on CPUs): without this, Accelerate would set up a single-process state in each
             # process, so evaluation, logging and saving would not be coordinated between them.
             self.use_cpu = True
+        if self.dataloader_pin_memory and not torch.accelerator.is_available():
+            # Pinned memory only speeds up copies to an accelerator; without one torch warns on every dataloader.
+            self.dataloader_pin_memory = False
         super().__post_init__()
 
     def _validate_zo_engine_arguments(self) -> None:

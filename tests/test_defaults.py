@@ -126,3 +126,22 @@ def test_the_chosen_values_are_logged_at_the_trainers_log_level(tmp_path, level,
     assert result.returncode == 0, result.stderr[-3000:]
     message = "ZOConfig: learning_rate=1e-06, zo_eps=0.001 for method 'full'"
     assert (message in result.stderr) == shown, result.stderr[-3000:]
+
+
+def test_no_pinned_memory_warning_without_an_accelerator(tmp_path, monkeypatch):
+    """Pinned memory only helps copies to an accelerator: without one, torch would warn on every dataloader."""
+    import warnings
+
+    import torch
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # as on this project's CPU machines
+    args = ZOConfig(output_dir=str(tmp_path), max_steps=2, report_to=[], learning_rate=1e-3, zo_eps=1e-3)
+    assert args.dataloader_pin_memory is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(8)).train()
+    assert not [w for w in caught if "pin_memory" in str(w.message)]
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert ZOConfig(output_dir=str(tmp_path)).dataloader_pin_memory is True
+    assert ZOConfig(output_dir=str(tmp_path), dataloader_pin_memory=False).dataloader_pin_memory is False
