@@ -6,27 +6,11 @@ import logging
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
 
-from hf_zo import ZOConfig, ZOTrainer
+from hf_zo import ZOTrainer
 from hf_zo.length_grouping import ZOLengthGroupedSampler, example_lengths
 
 from tiny_models import pad_lm_batch as pad
-from tiny_models import ragged_lm_dataset, tiny_causal_lm
-
-
-def _args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        zo_eps=1e-3,
-        max_steps=10,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    values.update(overrides)
-    return ZOConfig(**values)
+from tiny_models import ragged_lm_dataset, tiny_causal_lm, zo_args
 
 
 def test_example_lengths_read_a_column_or_the_examples():
@@ -63,7 +47,7 @@ def test_zo_trainer_groups_training_batches_by_the_global_batch_and_keeps_evalua
     data = ragged_lm_dataset(40)
     trainer = ZOTrainer(
         model=tiny_causal_lm("opt"),
-        args=_args(tmp_path, gradient_accumulation_steps=3, data_seed=11),
+        args=zo_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, data_seed=11),
         train_dataset=data,
         data_collator=pad,
     )
@@ -82,7 +66,7 @@ def test_zo_trainer_groups_training_batches_by_the_global_batch_and_keeps_evalua
 
 def test_without_lengths_training_batches_are_drawn_at_random_with_a_warning(tmp_path, caplog):
     data = ragged_lm_dataset(8)
-    trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=_args(tmp_path), train_dataset=data, data_collator=pad)
+    trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=zo_args(tmp_path), train_dataset=data, data_collator=pad)
 
     with caplog.at_level(logging.WARNING, logger="hf_zo"):
         sampler = trainer._get_train_sampler(data.remove_columns("input_ids"))

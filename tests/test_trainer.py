@@ -9,23 +9,7 @@ from peft import LoraConfig, get_peft_model
 from hf_zo import ZOConfig, ZOTrainer
 
 from tiny_models import lm_dataset, pad_lm_batch, ragged_lm_dataset, tiny_causal_lm
-
-
-def _args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        zo_eps=1e-3,
-        max_steps=10,
-        logging_steps=5,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    values.update(overrides)
-    return ZOConfig(**values)
+from tiny_models import zo_args as _args
 
 
 def _lora(model):

@@ -1,4 +1,5 @@
-"""Tiny random models built from configs in code (no downloads), shared by the tests."""
+"""Tiny random models built from configs in code (no downloads), their data, and a quiet `ZOConfig`, shared by the
+tests."""
 
 from __future__ import annotations
 
@@ -158,3 +159,24 @@ def save_tiny_sentence_encoder(path, pooling: str = "mean", normalize: bool = Fa
         json.dump(modules, file)
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as file:
         json.dump({"word_embedding_dimension": 32, **{flag: mode == pooling for mode, flag in flags.items()}}, file)
+
+
+def zo_args(tmp_path, **overrides):
+    """A `ZOConfig` for a short CPU run writing under `tmp_path / "out"`: batch 4, 10 steps, lr and eps 1e-3, logging
+    every 5 steps, no checkpoints, reports or progress bars; `overrides` replace any field."""
+    from hf_zo import ZOConfig
+
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        zo_eps=1e-3,
+        max_steps=10,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    values.update(overrides)
+    return ZOConfig(**values)
