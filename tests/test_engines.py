@@ -207,23 +207,14 @@ def test_exact_restore_in_bf16():
 def test_engine_restores_as_the_optimizer_decides_by_default(tmp_path):
     """A small bf16 set gets exact restore by default (the optimizer's `exact_restore=None`), with the dual engine
     too: through the trainer, lr 0 leaves every weight bit for bit."""
-    from hf_zo import ZOConfig, ZOTrainer
+    from hf_zo import ZOTrainer
 
-    from tiny_models import lm_dataset
+    from tiny_models import lm_dataset, zo_args
 
     model = _model("llama").to(torch.bfloat16)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = ZOConfig(
-        output_dir=str(tmp_path),
-        learning_rate=0.0,
-        zo_eps=1e-2,
-        zo_engine="dual",
-        max_steps=3,
-        per_device_train_batch_size=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
+    args = zo_args(
+        tmp_path, learning_rate=0.0, zo_eps=1e-2, zo_engine="dual", max_steps=3, per_device_train_batch_size=2
     )
     trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(8, length=8))
     trainer.train()
