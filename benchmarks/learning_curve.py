@@ -357,7 +357,8 @@ def plot(results: list[dict], path: str, title: str) -> None:
         loss_by_time.plot(minutes, [p["loss"] for p in result["curve"]], label=result["variant"], **style)
     zeroth_order = [p for r in results if not r["spec"]["method"].startswith("adamw") for p in r["curve"]]
     accuracy_range = (min([75.0] + [100 * p["accuracy"] - 1 for p in zeroth_order]), 90)
-    by_step.set(xlabel="optimizer steps", ylabel="validation accuracy (%)", ylim=accuracy_range, title=title)
+    figure.suptitle(title)
+    by_step.set(xlabel="optimizer steps", ylabel="validation accuracy (%)", ylim=accuracy_range, title="against steps")
     by_time.set(
         xlabel="training minutes (probe included, evaluation excluded)", ylim=accuracy_range, title="against wall time"
     )

@@ -94,7 +94,7 @@ class ZOConfig(TrainingArguments):
             16,384 examples fit a probe 1.1 points better than 4,096 on held-out training sentences (see
             docs/accuracy.md), and their forwards take 30 s on 2 CPU cores (104 s in a random order). The probe
             runs before the first step, with a progress bar; on long inputs it takes minutes (IMDB reviews at 128
-            tokens: 10 minutes on 2 CPU cores), and a smaller value starts training sooner.
+            tokens: 6 minutes on 2 CPU cores), and a smaller value starts training sooner.
         zo_head_init_l2 (`float`, *optional*):
             L2 penalty of the linear probe on standardised features. By default it is chosen among
             `hf_zo.heads.PROBE_L2_GRID` by 3-fold cross-validation on the probe's examples (under 3 s for 16,384
