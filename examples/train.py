@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import string
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -190,9 +191,28 @@ def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
     return task, fields
 
 
+def check_columns(raw: DatasetDict, data: DataArguments, needed: list[str], fix: str) -> None:
+    """Fail before tokenizing when a split lacks a column the task reads, with the columns it has and `fix`."""
+    sources = {"train": data.train_file, "validation": data.validation_file}
+    for split, dataset in raw.items():
+        missing = [column for column in needed if column not in dataset.column_names]
+        if missing:
+            source = sources.get(split) or data.dataset_name or f"--task_name {data.task_name}"
+            raise ValueError(
+                f"The {split} data ({source}) has no column {missing}; its columns are {dataset.column_names}. {fix}"
+            )
+
+
 def tokenize_classification(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
     """Tokenize the input field (or field pair) for a sequence classifier; keep `label`."""
     _, fields = task_fields(data)
+    check_columns(
+        raw,
+        data,
+        [*fields, data.label_column],
+        "Rename the columns: a --task_name reads its own fields, without one the text is read from 'sentence'; "
+        "--label_column names the label column.",
+    )
 
     def tokenize(batch):
         texts = [batch[f] for f in fields]
@@ -207,6 +227,7 @@ def tokenize_classification(raw: DatasetDict, tokenizer, data: DataArguments) ->
 
 def tokenize_causal_lm(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
     """Tokenize the text column for causal LM training."""
+    check_columns(raw, data, [data.text_column], "Set --text_column to the column that holds the text.")
 
     def tokenize(batch):
         return tokenizer(batch[data.text_column], truncation=True, max_length=data.max_length)
@@ -227,6 +248,14 @@ def tokenize_prompts(raw: DatasetDict, tokenizer, data: DataArguments) -> Datase
     words = data.label_words or (task.label_words if task else None)
     if template is None or words is None:
         raise ValueError("Prompt-based classification needs --template and --label_words (or a --task_name).")
+    template_fields = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    check_columns(
+        raw,
+        data,
+        [*dict.fromkeys(template_fields), data.label_column],
+        "Rename the columns, or write a --template that formats the columns you have; --label_column names the "
+        "label column.",
+    )
     word_ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
     if any(not ids for ids in word_ids):
         raise ValueError(f"Every label word must tokenize to at least one token, got {dict(zip(words, word_ids))}.")

@@ -301,6 +301,26 @@ def test_api_reference_lists_every_public_object():
     assert not any(missing.values()), f"docs/api.md lacks {missing}: run python docs/gen_api.py"
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_data_without_the_task_columns_fails_naming_them(workspace, tmp_path, kind):
+    model, _, flags = KINDS[kind]
+    wrong = tmp_path / "wrong.tsv"
+    wrong.write_text("review\tsentiment\na good film\t1\n")
+    expected = r"\['text'\]" if kind == "causal_lm" else r"\['sentence', 'label'\]"  # sst2's fields and label
+    with pytest.raises(ValueError, match=rf"train data \(.*wrong.tsv\) has no column {expected}; its columns are"):
+        run_example(
+            workspace,
+            tmp_path,
+            "--model_name_or_path",
+            str(workspace / model),
+            "--train_file",
+            str(wrong),
+            "--validation_file",
+            str(wrong),
+            *flags,
+        )
+
+
 def test_config_file_with_flags_that_override_it(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
