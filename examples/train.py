@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import yaml
-from datasets import DatasetDict, load_dataset
+from datasets import ClassLabel, DatasetDict, load_dataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -189,6 +189,29 @@ def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
     task = TASKS.get(data.task_name) if data.task_name else None
     fields = task.fields if task else ("sentence",)
     return task, fields
+
+
+def number_text_labels(raw: DatasetDict, data: DataArguments) -> tuple[DatasetDict, list[str] | None]:
+    """Labels written as text (`positive`, `negative`) numbered in sorted order over every split, as transformers'
+    `run_glue.py` numbers a local file's labels; integer labels are left as they are.
+
+    Returns:
+        `tuple[DatasetDict, list[str] | None]`: the data with integer labels, and the label names (`None` when the
+        labels were integers already).
+    """
+    column = data.label_column
+    labelled = [d for d in raw.values() if column in d.column_names]
+    if all(getattr(d.features[column], "dtype", "").startswith(("int", "uint")) for d in labelled):  # or ClassLabel
+        return raw, None
+    names = sorted({str(label) for d in labelled for label in d.unique(column)})
+    if data.task_name is not None:
+        task = TASKS[data.task_name]
+        raise ValueError(
+            f"--task_name {data.task_name} numbers its labels 0 to {len(task.label_words) - 1} (label words "
+            f"{list(task.label_words)}), but the '{column}' column holds {names[:5]}: write the labels as those "
+            "integers, or leave out --task_name to have text labels numbered in sorted order."
+        )
+    return raw.cast_column(column, ClassLabel(names=names)), names
 
 
 def check_columns(raw: DatasetDict, data: DataArguments, needed: list[str], fix: str) -> None:
@@ -458,6 +481,9 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
         tokenizer.pad_token = tokenizer.eos_token
     with args.main_process_first(desc="dataset loading"):
         raw = load_raw_datasets(data, args.seed)
+        label_names = None
+        if task_type != "causal_lm":
+            raw, label_names = number_text_labels(raw, data)
         if task_type == "classification":
             datasets = tokenize_classification(raw, tokenizer, data)
         elif task_type == "prompt_classification":
@@ -468,9 +494,13 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
     task, _ = task_fields(data)
     num_labels = None
     if task_type == "classification":
-        num_labels = len(task.label_words) if task else len(set(datasets["train"]["label"]))
+        found = label_names or {label for split in datasets.values() for label in split.unique("label")}
+        num_labels = len(task.label_words) if task else len(found)
     set_seed(args.seed)  # a new head and PEFT matrices are initialised from the global RNG: same start every run
     model = load_model(model_args, task_type, num_labels, tokenizer, trainable=should_train(args))
+    if task_type == "classification" and label_names:
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        config.id2label, config.label2id = dict(enumerate(label_names)), {n: i for i, n in enumerate(label_names)}
 
     trainer_class, kwargs = ZOTrainer, {}
     if task_type == "causal_lm":

@@ -321,6 +321,21 @@ def test_data_without_the_task_columns_fails_naming_them(workspace, tmp_path, ki
         )
 
 
+def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_path):
+    rows = [{**r, "label": ("negative", "positive")[r["label"]]} for r in sentences(16, seed=3)]
+    write_tsv(tmp_path / "text_labels.tsv", rows)
+    files = ["--train_file", str(tmp_path / "text_labels.tsv"), "--validation_file", str(tmp_path / "text_labels.tsv")]
+    model = ["--model_name_or_path", str(workspace / "bert"), "--zo_head_init_max_samples", "16"]
+    trainer, metrics = run_example(workspace, tmp_path, *model, *files, "--task_type", "classification")
+    assert trainer.model.config.id2label == {0: "negative", 1: "positive"}
+    assert trainer.eval_dataset["label"] == [int(r["label"] == "positive") for r in rows]
+    assert "eval_accuracy" in metrics
+    with pytest.raises(
+        ValueError, match=r"--task_name sst2 numbers its labels 0 to 1 .* holds \['negative', 'positive'\]"
+    ):
+        run_example(workspace, tmp_path, *model, *files, "--task_name", "sst2")
+
+
 def test_config_file_with_flags_that_override_it(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
