@@ -329,7 +329,13 @@ def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_
     trainer, metrics = run_example(workspace, tmp_path, *model, *files, "--task_type", "classification")
     assert trainer.model.config.id2label == {0: "negative", 1: "positive"}
     assert trainer.eval_dataset["label"] == [int(r["label"] == "positive") for r in rows]
-    assert "eval_accuracy" in metrics
+    trainer, evaluated = run_example(  # the saved classifier, evaluated on integer labels without a training split
+        workspace,
+        tmp_path / "eval",
+        *["--model_name_or_path", str(tmp_path / "out"), "--task_type", "classification", "--do_eval"],
+        *["--validation_file", str(workspace / "validation.tsv")],
+    )
+    assert trainer.train_dataset is None and "eval_accuracy" in evaluated
     with pytest.raises(
         ValueError, match=r"--task_name sst2 numbers its labels 0 to 1 .* holds \['negative', 'positive'\]"
     ):
