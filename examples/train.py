@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 from datasets import ClassLabel, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -155,6 +156,12 @@ class DataArguments:
     template: str | None = field(default=None, metadata={"help": "Prompt template (default: the task's)."})
     label_words: list[str] | None = field(default=None, metadata={"help": "Label words (default: the task's)."})
 
+    def __post_init__(self):
+        for name in ("num_train", "num_eval", "max_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be at least 1, got {value}; leave it out for its default.")
+
 
 # ---------------------------------------------------------------------- data
 
@@ -167,10 +174,16 @@ def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
         if len(extensions) != 1 or extensions - {".csv", ".tsv", ".json", ".jsonl"}:
             raise ValueError(f"Local files must all be .csv, .tsv, .json or .jsonl, got {sorted(files.values())}.")
         extension = extensions.pop()
-        if extension == ".tsv":
-            raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=csv.QUOTE_NONE)
-        else:
-            raw = load_dataset("json" if extension in (".json", ".jsonl") else "csv", data_files=files)
+        try:
+            if extension == ".tsv":
+                raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=csv.QUOTE_NONE)
+            else:
+                raw = load_dataset("json" if extension in (".json", ".jsonl") else "csv", data_files=files)
+        except DatasetGenerationError as error:  # the reason is in its cause; the message only says it failed
+            raise ValueError(
+                f"Could not read {sorted(files.values())}: {str(error.__cause__ or error).rstrip('.')}. Each file "
+                "needs a header row (for .csv/.tsv) and at least one example."
+            ) from error
     elif data.dataset_name or data.task_name:
         name, config = (data.dataset_name, data.dataset_config_name)
         if name is None:

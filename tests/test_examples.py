@@ -342,6 +342,17 @@ def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_
         run_example(workspace, tmp_path, *model, *files, "--task_name", "sst2")
 
 
+def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path):
+    (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")
+    model = ["--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2"]
+    files = ["--train_file", str(tmp_path / "empty.tsv"), "--validation_file", str(workspace / "validation.tsv")]
+    with pytest.raises(ValueError, match=r"Could not read \[.*empty.tsv.*\].*at least one example"):
+        run_example(workspace, tmp_path, *model, *files)
+    for flag in ("--num_train", "--num_eval", "--max_length"):
+        with pytest.raises(ValueError, match=rf"{flag} must be at least 1, got 0"):
+            train_script.parse_arguments([*model, flag, "0", "--output_dir", str(tmp_path / "out")])
+
+
 def test_config_file_with_flags_that_override_it(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
