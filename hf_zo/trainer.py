@@ -411,6 +411,22 @@ class ZOTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         self.zo_trajectory_callback.resume_from = checkpoint
 
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """`Trainer.init_hf_repo`, failing with what to do when the Hub repository cannot be created or reached.
+
+        With `push_to_hub=True`, `Trainer` creates the repository when it is constructed, before any training, and a
+        machine without network got a traceback from the HTTP client instead.
+        """
+        try:
+            super().init_hf_repo(token=token, private=private)
+        except Exception as error:  # network, DNS, auth or permission: all end in the same advice, with the cause
+            repo = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
+            raise ConnectionError(
+                f"push_to_hub=True, but the Hub repository {repo!r} could not be created or reached "
+                f"({type(error).__name__}: {error}); nothing was uploaded. Check the network and the token (HF_TOKEN "
+                "or hub_token), or set push_to_hub=False and upload output_dir later."
+            ) from error
+
     def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
         """`Trainer.create_model_card` with the `zeroth-order` and `hf-zo` tags added."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])

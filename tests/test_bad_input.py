@@ -230,6 +230,18 @@ def test_non_finite_losses_stop_with_the_step(tmp_path):
     torch.testing.assert_close(weight.detach(), torch.ones(3))
 
 
+def test_unreachable_hub_fails_at_construction_with_the_fix(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def create_repo(self, repo_id, **kwargs):
+        raise RuntimeError("[Errno -2] Name or service not known")  # what httpx raises without network
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    args = _config(tmp_path, push_to_hub=True, hub_model_id="someone/tiny-zo")
+    with pytest.raises(ConnectionError, match=r"'someone/tiny-zo' could not be created .*Name or service not known"):
+        ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
+
+
 def test_example_script_exits_with_the_message_and_no_traceback(tmp_path):
     import subprocess
     import sys
