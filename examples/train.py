@@ -56,6 +56,9 @@ from hf_zo.norm_tuning import norm_module_names
 # PEFT's LN-tuning layer asks each norm for in/out features, which norms do not have, and warns "Unsupported layer
 # type" for every one: expected with --peft ln_tuning, and nothing to act on.
 warnings.filterwarnings("ignore", message=r"Unsupported layer type .*(LayerNorm|RMSNorm)", category=UserWarning)
+# get_peft_model reads transformers' deprecated `is_gradient_checkpointing` (PEFT 0.21 with transformers 5), which
+# warns on every run: nothing a user of this script can change.
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 # ---------------------------------------------------------------------- tasks
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,15 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
     data = data.remove_columns("sentence")
 
     model = load_sequence_classifier(model_path, num_labels=2)  # the head reads the checkpoint's mean pooling
-    model = get_peft_model(
-        model,
-        LoraConfig(
-            task_type=TaskType.SEQ_CLS,
-            r=demo.lora_rank,
-            lora_alpha=2 * demo.lora_rank,
-            target_modules=["query", "value"],
-        ),
+    lora = LoraConfig(
+        task_type=TaskType.SEQ_CLS, r=demo.lora_rank, lora_alpha=2 * demo.lora_rank, target_modules=["query", "value"]
     )
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora)
 
     def compute_metrics(prediction):
         return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
