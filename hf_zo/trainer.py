@@ -414,17 +414,17 @@ class ZOTrainer(Trainer):
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """`Trainer.init_hf_repo`, failing with what to do when the Hub repository cannot be created or reached.
 
-        With `push_to_hub=True`, `Trainer` creates the repository when it is constructed, before any training, and a
-        machine without network got a traceback from the HTTP client instead.
+        With `push_to_hub=True`, `Trainer` creates the repository when it is constructed, before any training (and
+        `push_to_hub()` does when it is called without); without network this was a traceback from the HTTP client.
         """
         try:
             super().init_hf_repo(token=token, private=private)
         except Exception as error:  # network, DNS, auth or permission: all end in the same advice, with the cause
             repo = self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir))
             raise ConnectionError(
-                f"push_to_hub=True, but the Hub repository {repo!r} could not be created or reached "
-                f"({type(error).__name__}: {error}); nothing was uploaded. Check the network and the token (HF_TOKEN "
-                "or hub_token), or set push_to_hub=False and upload output_dir later."
+                f"The Hub repository {repo!r} could not be created or reached ({type(error).__name__}: {error}); "
+                "nothing was uploaded. Check the network and the token (HF_TOKEN or hub_token); to train without "
+                "the Hub, set push_to_hub=False and upload output_dir later."
             ) from error
 
     def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
