@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    source = os.path.dirname(args.trajectory) if os.path.isfile(args.trajectory) else args.trajectory
+    if os.path.isdir(source) and os.path.realpath(source) == os.path.realpath(args.out):
+        raise ValueError(
+            f"OUT ({args.out}) is the folder the trajectory is read from: saving the replayed model there would "
+            "overwrite the trained run's files (its model card, its trajectory). Give a new folder."
+        )
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
     # The adapter is added before the move, so that every tensor of it lands on the replay device.
     model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)

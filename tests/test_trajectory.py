@@ -489,6 +489,13 @@ def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
     assert cli_main(["replay", str(tmp_path / "missing"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("hf-zo replay: error: ")
 
+    # OUT is the trained run's own folder: refused before anything is written there.
+    saved = {f.name: f.read_bytes() for f in (tmp_path / "run").iterdir() if f.is_file()}
+    for trajectory in (tmp_path / "run", tmp_path / "run" / "zo_trajectory.bin"):
+        assert cli_main(["replay", base, str(trajectory), str(tmp_path / "run")]) == 2
+        assert "is the folder the trajectory is read from" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in (tmp_path / "run").iterdir() if f.is_file()} == saved
+
 
 def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
     # `hf-zo inspect run | head`: the reader may exit first (`true` always does); Unix tools then stop quietly.
