@@ -74,6 +74,8 @@ def _replay(args: argparse.Namespace) -> int:
             f"OUT ({args.out}) is the folder the trajectory is read from: saving the replayed model there would "
             "overwrite the trained run's files (its model card, its trajectory). Give a new folder."
         )
+    if os.path.isabs(args.base) and not os.path.isdir(args.base):
+        raise ValueError(f"BASE {args.base} is not a folder: give the folder or Hub id the run started from.")
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
     # The adapter is added before the move, so that every tensor of it lands on the replay device.
     model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)

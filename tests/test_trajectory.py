@@ -487,7 +487,7 @@ def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
 
     # A base that is neither a folder nor a valid Hub id: one line of error, no traceback.
     assert cli_main(["replay", str(tmp_path / "missing"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.startswith("hf-zo replay: error: ")
+    assert capsys.readouterr().err.startswith(f"hf-zo replay: error: BASE {tmp_path / 'missing'} is not a folder")
 
     # OUT is the trained run's own folder: refused before anything is written there.
     saved = {f.name: f.read_bytes() for f in (tmp_path / "run").iterdir() if f.is_file()}
