@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
 
     metrics = {}
     if should_train(args):
-        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        resume = args.resume_from_checkpoint  # a folder, or "true" for the last checkpoint in --output_dir
+        result = trainer.train(resume_from_checkpoint=True if str(resume).lower() == "true" else resume)
         if not args.push_to_hub:  # push_to_hub saves, writes the card and uploads in one go
             trainer.save_model()
         trainer.log_metrics("train", result.metrics)

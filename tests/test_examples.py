@@ -353,6 +353,21 @@ def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path)
             train_script.parse_arguments([*model, flag, "0", "--output_dir", str(tmp_path / "out")])
 
 
+def test_resume_from_checkpoint_true_continues_from_the_last_checkpoint(workspace, tmp_path):
+    flags = ["--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2"]
+    flags += ["--zo_head_init_max_samples", "16"]
+    flags += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
+    whole, _ = run_example(workspace, tmp_path / "whole", *flags)
+    checkpoints = [*flags, "--save_strategy", "steps", "--save_steps", "2"]
+    run_example(workspace, tmp_path / "resumed", *checkpoints, "--max_steps", "2")
+    resumed, _ = run_example(workspace, tmp_path / "resumed", *checkpoints, "--resume_from_checkpoint", "True")
+    assert resumed.state.global_step == 4
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        run_example(workspace, tmp_path / "fresh", *flags, "--resume_from_checkpoint", "true")
+
+
 def test_config_file_with_flags_that_override_it(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
