@@ -509,9 +509,10 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
 
     task, _ = task_fields(data)
     num_labels = None
-    if task_type == "classification":
-        found = label_names or {label for split in datasets.values() for label in split.unique("label")}
-        num_labels = len(task.label_words) if task else len(found)
+    if task_type == "classification" and task:
+        num_labels = len(task.label_words)
+    elif task_type == "classification":
+        num_labels = len(label_names or {label for split in datasets.values() for label in split.unique("label")})
     set_seed(args.seed)  # a new head and PEFT matrices are initialised from the global RNG: same start every run
     model = load_model(model_args, task_type, num_labels, tokenizer, trainable=should_train(args))
     if task_type == "classification" and label_names:
