@@ -57,6 +57,7 @@ SECTIONS = [
     ("Classification heads", "hf_zo.heads", None),
     ("Sentence-encoder classifiers", "hf_zo.pooled_classifier", None),
     ("Norm tuning (PEFT `LNTuningConfig` on any model)", "hf_zo.norm_tuning", None),
+    ("PEFT's warnings that nobody can act on", "hf_zo.peft_warnings", None),
     ("Training batches grouped by length", "hf_zo.length_grouping", None),
     ("Metrics", "hf_zo.metrics", None),
     ("Execution engines", "hf_zo.engine", None),

@@ -32,7 +32,6 @@ import math
 import os
 import string
 import sys
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -52,13 +51,9 @@ from transformers import (
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
 from hf_zo.norm_tuning import norm_module_names
+from hf_zo.peft_warnings import ignore_peft_warnings
 
-# PEFT's LN-tuning layer asks each norm for in/out features, which norms do not have, and warns "Unsupported layer
-# type" for every one: expected with --peft ln_tuning, and nothing to act on.
-warnings.filterwarnings("ignore", message=r"Unsupported layer type .*(LayerNorm|RMSNorm)", category=UserWarning)
-# get_peft_model reads transformers' deprecated `is_gradient_checkpointing` (PEFT 0.21 with transformers 5), which
-# warns on every run: nothing a user of this script can change.
-warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on every run: nothing to act on
 
 # ---------------------------------------------------------------------- tasks
 

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import logging
 
+from .peft_warnings import peft_warnings_ignored
 from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
 from .trajectory.replay import initial_model
@@ -29,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with peft_warnings_ignored():  # loading an LN-tuning adapter warns once per norm: nothing a user can act on
+            return args.run(args)
     except BrokenPipeError:  # the reader of the output stopped early (`hf-zo inspect ... | head`), as Unix tools allow
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exiting flushes nothing into it
         return 0
@@ -77,11 +79,10 @@ def _replay(args: argparse.Namespace) -> int:
     if os.path.isabs(args.base) and not os.path.isdir(args.base):
         raise ValueError(f"BASE {args.base} is not a folder: give the folder or Hub id the run started from.")
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
+    device = _device(args.device, trajectory)
     # The adapter is added before the move, so that every tensor of it lands on the replay device.
     model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)
-    model = replay(
-        model.to(_device(args.device, trajectory)), trajectory, verify=not args.no_verify, show_progress=True
-    )
+    model = replay(model.to(device), trajectory, verify=not args.no_verify, show_progress=True)
     model.save_pretrained(args.out)
     trajectory.save(args.out)
     _copy_tokenizer(args.base, args.out, args.revision)
@@ -145,14 +146,27 @@ def _load_pretrained(
 
 
 def _device(requested: str | None, trajectory: ZOTrajectory) -> torch.device:
-    if requested is not None:
-        return torch.device(requested)
     recorded = trajectory.header["device_type"]
-    backend = getattr(torch, recorded, None)
-    if recorded != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+    if requested is None:
+        if _available(recorded):
+            return torch.device(recorded)
         logger.warning("The trajectory was recorded on %s, which is not available here: replaying on cpu.", recorded)
         return torch.device("cpu")
-    return torch.device(recorded)
+    try:
+        device = torch.device(requested)
+    except RuntimeError as error:
+        raise ValueError(f"--device {requested!r} is not a torch device ({error}).") from None
+    if not _available(device.type):
+        raise ValueError(
+            f"--device {requested}: no {device.type} device is available to this torch; leave --device out to "
+            f"replay on the recorded device type ({recorded}) when it is available, else on cpu."
+        )
+    return device
+
+
+def _available(device_type: str) -> bool:
+    backend = getattr(torch, device_type, None)
+    return device_type == "cpu" or bool(hasattr(backend, "is_available") and backend.is_available())
 
 
 def _copy_tokenizer(base: str, out: str, revision: str | None) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     from hf_zo import ZOConfig, ZOTrainer, load_sequence_classifier
+    from hf_zo.peft_warnings import peft_warnings_ignored
 
     (demo,) = HfArgumentParser(DemoArguments).parse_args_into_dataclasses(args=argv)
     set_seed(demo.seed)
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     lora = LoraConfig(
         task_type=TaskType.SEQ_CLS, r=demo.lora_rank, lora_alpha=2 * demo.lora_rank, target_modules=["query", "value"]
     )
-    with warnings.catch_warnings():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with peft_warnings_ignored():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
         model = get_peft_model(model, lora)
 
     def compute_metrics(prediction):

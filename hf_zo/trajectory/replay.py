@@ -11,6 +11,7 @@ from transformers.utils import logging
 
 from ..noise import Noise
 from ..optim import ZOOptimizer
+from ..peft_warnings import peft_warnings_ignored
 from .format import TrajectoryMismatchError, ZOTrajectory, from_json, optimizer_class, trajectory_tensors
 
 logger = logging.get_logger(__name__)
@@ -116,7 +117,7 @@ def initial_model(model: torch.nn.Module, trajectory: ZOTrajectory) -> torch.nn.
         config = get_peft_config(dict(peft, inference_mode=False, base_model_name_or_path=name or None))
         # get_peft_model draws the adapter from the global RNG: the stored values replace it, the user's stream
         # stays untouched.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), peft_warnings_ignored():
             model = get_peft_model(model, config)
         # A classifier's PeftModel appends its head names to modules_to_save, which the recorded config already has.
         if config.modules_to_save:
