@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -406,6 +407,16 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
     if model_args.peft == "ln_tuning":
         return LNTuningConfig(task_type=peft_task, target_modules=norm_module_names(model))
     if model_args.peft == "prefix":
+        # For a classifier PEFT hands the prefix to the model as `past_key_values`, which BERT-style encoders (and
+        # transformers 5's classifiers generally) do not take; causal LMs get it through their cache.
+        takes_prefix = any(
+            "past_key_values" in inspect.signature(m.forward).parameters for m in (model, model.base_model)
+        )
+        if task_type == "classification" and not takes_prefix:
+            raise ValueError(
+                f"--peft prefix needs a classifier that takes past_key_values, and {type(model).__name__} does not. "
+                "Use --peft prompt (virtual tokens in the input), lora or ln_tuning."
+            )
         return PrefixTuningConfig(task_type=peft_task, num_virtual_tokens=model_args.num_virtual_tokens)
     init = PromptTuningInit.TEXT if model_args.prompt_init_text else PromptTuningInit.RANDOM
     return PromptTuningConfig(

@@ -47,6 +47,10 @@ _SENTENCE_TRANSFORMERS_FLAGS = {
 }
 
 
+_ENCODER_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+"""The encoder's sizes that `PooledEncoderConfig` repeats at its top level, where PEFT looks for them."""
+
+
 class PooledEncoderConfig(PreTrainedConfig):
     r"""Configuration of :class:`PooledEncoderForSequenceClassification`.
 
@@ -71,6 +75,18 @@ class PooledEncoderConfig(PreTrainedConfig):
         if self.pooling_mode not in POOLING_MODES:
             raise ValueError(f"Unknown pooling_mode {self.pooling_mode!r}; choose one of {list(POOLING_MODES)}.")
         super().__post_init__(**kwargs)
+        # PEFT's prompt learning (and other tools) read the model's sizes from the top-level config: copy the
+        # encoder's, so that a prompt-tuning config needs no `num_layers` / `token_dim` / `num_attention_heads`.
+        for size in _ENCODER_SIZES:
+            if hasattr(self.encoder, size):
+                setattr(self, size, getattr(self.encoder, size))
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> PreTrainedConfig:
+        """The encoder's config, which holds the text side of this model (its vocabulary, as PEFT's prompt tuning
+        and `resize_token_embeddings` read it); the model has no decoder, so `decoder=True` alone gets this config."""
+        if decoder and not encoder:
+            return super().get_text_config(decoder=decoder, encoder=encoder)
+        return self.encoder
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, mode: str) -> torch.Tensor:

@@ -343,6 +343,26 @@ def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_
         run_example(workspace, tmp_path, *model, *files, "--task_name", "sst2")
 
 
+def test_classifier_takes_prompt_tuning_and_refuses_prefix_tuning_with_the_fix(workspace, tmp_path):
+    flags = [
+        "--model_name_or_path",
+        str(workspace / "bert"),
+        "--task_name",
+        "sst2",
+        "--zo_head_init_max_samples",
+        "16",
+    ]
+    flags += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
+    trainer, _ = run_example(workspace, tmp_path, *flags, "--peft", "prompt", "--num_virtual_tokens", "3")
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert any("prompt_encoder" in n for n in trained) and any("classifier" in n for n in trained)
+    # PEFT passes a prefix as past_key_values, which BERT does not take: the script says so before loading data.
+    with pytest.raises(
+        ValueError, match=r"--peft prefix needs a classifier that takes past_key_values.*--peft prompt"
+    ):
+        run_example(workspace, tmp_path, *flags, "--peft", "prefix")
+
+
 def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path):
     (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")
     model = ["--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from peft import LoraConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_model
 from transformers import AutoModel, AutoModelForSequenceClassification, BertForSequenceClassification
 
 from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier
@@ -111,6 +111,57 @@ def test_lora_with_head_in_modules_to_save_trains_saves_and_reloads(tmp_path):
     trainer.save_model(str(tmp_path / "adapter"))
     base = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+
+
+def test_prompt_tuning_needs_no_sizes_and_pools_over_the_virtual_tokens(tmp_path):
+    # PEFT reads num_layers / token_dim / num_attention_heads from the top-level config and the vocabulary from
+    # get_text_config(): both come from the encoder, so a prompt-tuning config needs none of them.
+    save_tiny_sentence_encoder(tmp_path / "encoder")
+    classifier = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
+    encoder_config = classifier.config.encoder
+    assert classifier.config.get_text_config() is encoder_config
+    assert (classifier.config.hidden_size, classifier.config.num_hidden_layers) == (
+        encoder_config.hidden_size,
+        encoder_config.num_hidden_layers,
+    )
+    model = get_peft_model(classifier, PromptTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=3))
+    model.eval()
+
+    # The mean runs over the virtual tokens too: they are part of the sequence the encoder sees.
+    prompt = model.get_prompt_embedding_to_save("default").unsqueeze(0).expand(2, -1, -1)
+    embeds = torch.cat([prompt, classifier.get_input_embeddings()(INPUT_IDS)], dim=1)
+    mask = torch.cat([torch.ones(2, 3, dtype=torch.long), ATTENTION_MASK], dim=1)
+    with torch.no_grad():
+        hidden = classifier.encoder(inputs_embeds=embeds, attention_mask=mask)[0]
+        pooled = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+        expected = model.base_model.classifier.modules_to_save["default"](pooled)
+        torch.testing.assert_close(model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits, expected)
+
+    before = model.get_prompt_embedding_to_save("default").clone()
+    args = ZOConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        zo_eps=1e-2,
+        zo_head_init_max_samples=16,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16)).train()
+    assert not torch.equal(model.get_prompt_embedding_to_save("default"), before)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(
+        load_sequence_classifier(tmp_path / "encoder", num_labels=2), tmp_path / "adapter"
+    )
     model.eval()
     with torch.no_grad():
         assert torch.equal(
