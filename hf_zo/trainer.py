@@ -8,6 +8,7 @@ evaluation, callbacks, checkpoints, model cards, `push_to_hub`) is `Trainer`'s o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging as std_logging
@@ -378,6 +379,8 @@ class ZOTrainer(Trainer):
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
             publish_checkpoint(staged, final)
+            with contextlib.suppress(OSError):  # emptied by the publish; a run folder keeps only its checkpoints
+                staging.rmdir()
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=self.args.save_total_limit,

@@ -75,6 +75,8 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path, optimizer):
         assert torch.equal(value, uninterrupted[name]), name
     state = torch.load(tmp_path / "b" / "out" / "checkpoint-8" / "optimizer.pt", weights_only=True)
     assert state["zo"]["step"] == 8 and state["zo"]["optimizer"] == first.zo_optimizer.__class__.__name__
+    # Checkpoints are staged, then published: nothing of the staging stays in the run folder.
+    assert {p.name for p in (tmp_path / "b" / "out").iterdir()} == {"checkpoint-4", "checkpoint-8"}
 
 
 def test_resume_in_a_later_epoch_of_length_grouped_batches_is_bitwise(tmp_path):
