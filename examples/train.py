@@ -147,7 +147,13 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
     train_file: str | None = field(default=None, metadata={"help": "Local training file (.csv, .tsv, .json, .jsonl)."})
     validation_file: str | None = field(default=None, metadata={"help": "Local validation file."})
-    text_column: str = field(default="text", metadata={"help": "Text column of causal LM data."})
+    text_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Text column of data without --task_name (default: 'text' for causal LM, 'sentence' for "
+            "classification)."
+        },
+    )
     label_column: str = field(default="label", metadata={"help": "Label column of classification data."})
     num_train: int | None = field(default=None, metadata={"help": "Sample this many training examples (MeZO: 1000)."})
     num_eval: int | None = field(default=None, metadata={"help": "Sample this many validation examples."})
@@ -160,6 +166,13 @@ class DataArguments:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}; leave it out for its default.")
+        if self.text_column is not None and self.task_name is not None:
+            fields = TASKS[self.task_name].fields
+            raise ValueError(
+                f"--text_column {self.text_column} applies to data without --task_name; --task_name "
+                f"{self.task_name} reads the columns {list(fields)}: rename the file's columns to them, or leave out "
+                "--task_name."
+            )
 
 
 # ---------------------------------------------------------------------- data
@@ -199,7 +212,7 @@ def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
 
 def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
     task = TASKS.get(data.task_name) if data.task_name else None
-    fields = task.fields if task else ("sentence",)
+    fields = task.fields if task else (data.text_column or "sentence",)
     return task, fields
 
 
@@ -245,8 +258,7 @@ def tokenize_classification(raw: DatasetDict, tokenizer, data: DataArguments) ->
         raw,
         data,
         [*fields, data.label_column],
-        "Rename the columns: a --task_name reads its own fields, without one the text is read from 'sentence'; "
-        "--label_column names the label column.",
+        "Rename the columns to these, or without --task_name name yours with --text_column and --label_column.",
     )
 
     def tokenize(batch):
@@ -262,10 +274,11 @@ def tokenize_classification(raw: DatasetDict, tokenizer, data: DataArguments) ->
 
 def tokenize_causal_lm(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
     """Tokenize the text column for causal LM training."""
-    check_columns(raw, data, [data.text_column], "Set --text_column to the column that holds the text.")
+    column = data.text_column or "text"
+    check_columns(raw, data, [column], "Set --text_column to the column that holds the text.")
 
     def tokenize(batch):
-        return tokenizer(batch[data.text_column], truncation=True, max_length=data.max_length)
+        return tokenizer(batch[column], truncation=True, max_length=data.max_length)
 
     return raw.map(
         tokenize, batched=True, remove_columns=raw["train" if "train" in raw else "validation"].column_names

@@ -185,6 +185,12 @@ def collect_head_inputs(
                 batch_features, label = gather((features.pop().to(label.device), label))
                 features.append(batch_features.cpu())
             labels.append(label.cpu())
+            if features[-1].dim() != 2 or features[-1].shape[0] != labels[-1].numel():
+                raise ValueError(
+                    f"Linear probing needs one feature vector per label, got features {tuple(features[-1].shape)} "
+                    f"for {labels[-1].numel()} labels in a batch; it supports sequence-level heads only (set "
+                    "zo_head_init='none')."
+                )
             count += labels[-1].numel()
             if max_samples is not None and count >= max_samples:
                 break
@@ -192,11 +198,6 @@ def collect_head_inputs(
         handle.remove()
         model.train(was_training)
     x, y = torch.cat(features), torch.cat(labels).long()
-    if x.dim() != 2 or x.shape[0] != y.shape[0]:
-        raise ValueError(
-            f"Linear probing needs one feature vector per label, got features {tuple(x.shape)} for {y.numel()} "
-            "labels; it supports sequence-level heads only (set zo_head_init='none')."
-        )
     if max_samples is not None:
         x, y = x[:max_samples], y[:max_samples]
     return x, y

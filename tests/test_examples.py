@@ -322,6 +322,19 @@ def test_data_without_the_task_columns_fails_naming_them(workspace, tmp_path, ki
         )
 
 
+def test_text_and_label_columns_name_the_columns_of_data_without_a_task(workspace, tmp_path):
+    lines = [f"{r['sentence']}\t{r['label']}\n" for r in sentences(16, seed=3)]
+    (tmp_path / "reviews.tsv").write_text("review\tsentiment\n" + "".join(lines))
+    files = ["--train_file", str(tmp_path / "reviews.tsv"), "--validation_file", str(tmp_path / "reviews.tsv")]
+    model = ["--model_name_or_path", str(workspace / "bert"), "--zo_head_init_max_samples", "16"]
+    columns = ["--text_column", "review", "--label_column", "sentiment"]
+    trainer, metrics = run_example(workspace, tmp_path, *model, *files, *columns, "--task_type", "classification")
+    assert len(trainer.train_dataset) == 16 and 0.0 <= metrics["eval_accuracy"] <= 1.0
+    # A task reads its own fields: --text_column would be silently ignored, so it is refused.
+    with pytest.raises(ValueError, match=r"--text_column review applies to data without --task_name.*\['sentence'\]"):
+        run_example(workspace, tmp_path, *model, *files, *columns, "--task_name", "sst2")
+
+
 def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_path):
     rows = [{**r, "label": ("negative", "positive")[r["label"]]} for r in sentences(16, seed=3)]
     write_tsv(tmp_path / "text_labels.tsv", rows)

@@ -128,6 +128,21 @@ def test_linear_probe_fits_the_head_on_frozen_features(use_peft):
     assert all(torch.equal(p, body[n]) for n, p in model.named_parameters() if n in body)
 
 
+def test_token_level_head_fails_naming_the_fix_whatever_the_padding():
+    from transformers import BertForTokenClassification
+
+    from tiny_models import tiny_bert_config
+
+    model = BertForTokenClassification(tiny_bert_config(num_labels=2)).eval()
+    # Padded per batch, the batches differ in length: the check must come before the batches are concatenated.
+    batches = [
+        {"input_ids": torch.randint(5, 50, (2, length)), "labels": torch.zeros(2, length, dtype=torch.long)}
+        for length in (4, 6)
+    ]
+    with pytest.raises(ValueError, match=r"one feature vector per label.*zo_head_init='none'"):
+        collect_head_inputs(model, model.classifier, batches)
+
+
 def test_probe_examples_are_a_seeded_sample_in_the_data_sets_order():
     """The probe draws from the whole set, not its first rows: a set grouped by label gives both labels."""
     from datasets import Dataset
