@@ -1,6 +1,7 @@
 # One-command set-up: every target that runs code installs first.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -11,10 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Pinned CPU torch first, so that resolving the package never pulls a CUDA build.
+# Pinned torch first, so that resolving the package never pulls another build. Where pip's index serves the CUDA
+# wheel for this version (plain PyPI on Linux), TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the CPU one.
 # Then the compiled noise kernel (hf_zo/philox), so that no run waits for the compiler.
 $(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp hf_zo/philox/extension.py
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/python -m hf_zo.philox --build
 	touch $(STAMP)
