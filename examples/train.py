@@ -135,6 +135,11 @@ class ModelArguments:
         default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16"]}
     )
 
+    def __post_init__(self):
+        path = self.model_name_or_path
+        if (os.path.isabs(path) or path.startswith(("./", "../"))) and not os.path.isdir(path):
+            raise ValueError(f"--model_name_or_path {path} is not a folder: give a saved model's folder or a Hub id.")
+
 
 @dataclass
 class DataArguments:
@@ -410,6 +415,14 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
         if target_modules is None and isinstance(model.config, PooledEncoderConfig):
             # PEFT picks LoRA's targets by model type; a pooled encoder's are those of its encoder.
             target_modules = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.encoder.model_type)
+        module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        unknown = [name for name in target_modules or () if name not in module_names]
+        if unknown:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ValueError(
+                f"--lora_target_modules: {type(model).__name__} has no module named {unknown}; its linear layers are "
+                f"named {linear}."
+            )
         return LoraConfig(
             task_type=peft_task,
             r=model_args.lora_r,

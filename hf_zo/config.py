@@ -329,6 +329,10 @@ class ZOConfig(TrainingArguments):
                 f"Unknown zo_noise_algorithm {self.zo_noise_algorithm!r}; choose 'auto' or one of "
                 f"{list(NOISE_ALGORITHMS)}."
             )
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:  # TrainingArguments leaves these to fail in the data loader
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if not isinstance(self.zo_num_perturbations, int) or self.zo_num_perturbations < 1:
             raise ValueError(f"zo_num_perturbations must be an integer >= 1, got {self.zo_num_perturbations!r}.")
         if not 0.0 <= self.zo_momentum < 1.0:

@@ -29,6 +29,8 @@ CONFIG_CASES = [
     ({"zo_optimizer": "adamw"}, "Unknown zo_optimizer 'adamw'; choose one of"),
     ({"zo_noise": "uniform"}, "Unknown zo_noise 'uniform'; choose one of"),
     ({"zo_num_perturbations": 0}, "zo_num_perturbations must be an integer >= 1, got 0"),
+    ({"per_device_train_batch_size": 0}, "per_device_train_batch_size must be an integer >= 1, got 0"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an integer >= 1, got 0"),
     ({"zo_momentum": 1.5}, "zo_momentum must be in \\[0, 1\\), got 1.5"),
     ({"zo_max_consecutive_skips": 0}, "zo_max_consecutive_skips must be an integer >= 1, got 0"),
     ({"zo_engine": "parallel"}, "Unknown zo_engine 'parallel'; choose one of"),
