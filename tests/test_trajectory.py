@@ -187,6 +187,16 @@ def _small_trajectory(tmp_path):
     return model, trajectory.save(tmp_path / "t.bin", model)
 
 
+def test_save_to_a_new_folder_or_into_missing_folders(tmp_path):
+    model, written = _small_trajectory(tmp_path)
+    trajectory = ZOTrajectory.load(written)
+    # "run/" names a folder even when it does not exist yet (Path() would drop the slash and write a file "run").
+    assert trajectory.save(f"{tmp_path / 'run'}/") == tmp_path / "run" / TRAJECTORY_NAME
+    assert trajectory.save(tmp_path / "a" / "b" / "t.bin") == tmp_path / "a" / "b" / "t.bin"
+    for path in (tmp_path / "run", tmp_path / "a" / "b" / "t.bin"):
+        assert ZOTrajectory.load(path).to_bytes() == trajectory.to_bytes()
+
+
 def test_corrupted_or_truncated_file_gives_clear_error(tmp_path):
     _, path = _small_trajectory(tmp_path)
     data = path.read_bytes()
@@ -385,6 +395,8 @@ def test_replay_from_the_base_folder_alone_is_bitwise_the_training(tmp_path, cap
     trained, replayed = load_file(tmp_path / "run" / weights), load_file(tmp_path / "out" / weights)
     _assert_bitwise(replayed, trained)
     assert any("classifier" in name for name in replayed)  # the head is part of what the run changed
+    # OUT gets the trajectory as it was recorded (replaying must not alter its header, e.g. PEFT's modules_to_save).
+    assert (tmp_path / "out" / TRAJECTORY_NAME).read_bytes() == (tmp_path / "run" / TRAJECTORY_NAME).read_bytes()
 
     rebuilt = BertForSequenceClassification.from_pretrained(tmp_path / "out" if peft_config is None else base)
     if peft_config is not None:

@@ -363,7 +363,8 @@ class ZOTrajectory:
         """Write the trajectory (atomically: a reader never sees half a file).
 
         Args:
-            path (`str` or `os.PathLike`): a file, or an existing folder to write ``zo_trajectory.bin`` into.
+            path (`str` or `os.PathLike`): a file, or a folder to write ``zo_trajectory.bin`` into: an existing
+                one, or a path that ends with a separator (``"run/"``). Missing folders are created.
             model (`torch.nn.Module`, *optional*):
                 The trained model, holding its true (flushed) weights: their checksum becomes the ``end`` checksum
                 that :func:`replay` checks its result against.
@@ -371,9 +372,11 @@ class ZOTrajectory:
         Returns:
             `Path`: the file written.
         """
+        names_a_folder = str(path).endswith(("/", os.sep))  # Path() drops the trailing separator
         path = Path(path)
-        if path.is_dir():
+        if path.is_dir() or names_a_folder:
             path = path / TRAJECTORY_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
         if model is not None:
             end = checksum(trajectory_tensors(model, self.header))
             self.header["checksums"]["end"] = dict(end, step=self.next_step)

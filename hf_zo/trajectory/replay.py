@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 
@@ -114,7 +115,8 @@ def initial_model(model: torch.nn.Module, trajectory: ZOTrajectory) -> torch.nn.
 
         # The adapter config names the base it is loaded onto now, as PEFT's own save does.
         name = getattr(getattr(model, "config", None), "_name_or_path", None)
-        config = get_peft_config(dict(peft, inference_mode=False, base_model_name_or_path=name or None))
+        # A deep copy: PEFT extends the config's lists (modules_to_save) in place, which must not reach the header.
+        config = get_peft_config(dict(copy.deepcopy(peft), inference_mode=False, base_model_name_or_path=name or None))
         # get_peft_model draws the adapter from the global RNG: the stored values replace it, the user's stream
         # stays untouched.
         with torch.random.fork_rng(devices=[]), peft_warnings_ignored():
