@@ -292,3 +292,36 @@ def test_peft_after_offload_is_refused(tmp_path):
     ids = torch.randint(2, 64, (2, 8))
     with pytest.raises(RuntimeError, match="Block 0 has parameters that were not offloaded"):
         optimizer.estimate(lambda: model(input_ids=ids, labels=ids).loss)
+
+
+def test_a_users_offload_dir_keeps_no_block_files_after_the_run(tmp_path):
+    # ZOTrainer keeps the model offloaded after train() (evaluate, save and predict still stream its blocks), so the
+    # files go when the storage is collected or the process exits; the folder itself is the user's and stays.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from hf_zo import ZOConfig, ZOTrainer
+        from tiny_models import lm_dataset, tiny_causal_lm
+
+        args = ZOConfig(output_dir={str(tmp_path / "run")!r}, max_steps=2, per_device_train_batch_size=2,
+                        zo_engine="dual", zo_offload="disk", zo_offload_dir={str(tmp_path / "zo")!r},
+                        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+        trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(8))
+        trainer.train()
+        print(sorted(name for name in __import__("os").listdir({str(tmp_path / "zo")!r})))
+        """
+    )
+    (tmp_path / "zo").mkdir()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "block_00000.safetensors" in result.stdout  # during the run the blocks live there
+    assert os.listdir(tmp_path / "zo") == []
+
+    # A folder the storage had to create (as each rank's rank{r}/ is) goes with its files.
+    from hf_zo.offload import DiskStorage
+
+    storage = DiskStorage(str(tmp_path / "zo" / "rank0"))
+    storage.store_block(0, [("weight", torch.ones(4))])
+    storage.close()
+    assert os.listdir(tmp_path / "zo") == []

@@ -11,6 +11,7 @@ whenever the block is not on the working device, so `state_dict()`, `load_state_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,12 +70,14 @@ class DiskStorage(BlockStorage):
 
     Args:
         directory (`str`, *optional*):
-            Where the files go; created if missing. Defaults to a new temporary directory that :meth:`close`
-            removes. A directory given by the user is left in place (its block files are removed by `close`).
+            Where the files go. Defaults to a new temporary directory. The block files are removed by
+            :meth:`close`, or when the storage is garbage-collected or the process exits, whichever comes first, and
+            with them the directory if this storage created it; an existing directory is left in place.
     """
 
     def __init__(self, directory: str | None = None):
-        self._owns_directory = directory is None
+        # A folder this storage creates (a temporary one, or a zo_offload_dir that did not exist) goes with it.
+        self._owns_directory = directory is None or not os.path.exists(directory)
         self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -85,9 +88,9 @@ class DiskStorage(BlockStorage):
                 "folder you can write to, on a local disk with room for the model's blocks."
             ) from None
         self.paths: list[str] = []
-        if self._owns_directory:
-            # Mapped files stay readable after unlinking, so the directory can go when the storage does.
-            weakref.finalize(self, shutil.rmtree, self.directory, True)
+        # Mapped files stay readable after unlinking, so the files (and a directory of our own) can go when the
+        # storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
+        weakref.finalize(self, _remove, self.paths, self.directory if self._owns_directory else None)
 
     def store_block(self, block, named_tensors):
         path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
@@ -106,12 +109,18 @@ class DiskStorage(BlockStorage):
         return _map_safetensors(path, names)
 
     def close(self) -> None:
-        for path in self.paths:
-            if os.path.exists(path):
-                os.remove(path)
-        self.paths = []
-        if self._owns_directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        _remove(self.paths, self.directory if self._owns_directory else None)
+
+
+def _remove(paths: list[str], directory: str | None) -> None:
+    """Delete the block files `paths` (emptying the list) and then `directory`, when given and empty."""
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+    paths.clear()
+    if directory is not None:
+        with contextlib.suppress(OSError):  # gone already, or holding files that are not ours
+            os.rmdir(directory)
 
 
 _SAFETENSORS_DTYPES = {
