@@ -341,6 +341,17 @@ def test_plugin_from_zo_config_rejects_a_conflicting_environment(monkeypatch, tm
     monkeypatch.setenv("HF_ZO_PERTURBATION_PARALLEL_SIZE", "1")
     with pytest.raises(ValueError, match="zo_perturbation_parallel_size=2 disagrees with HF_ZO_PERTURBATION"):
         DistZOPlugin.from_zo_config(args)
+    monkeypatch.delenv("HF_ZO_PERTURBATION_PARALLEL_SIZE")
+    monkeypatch.setenv("HF_ZO_TIMEOUT", "5")
+    with pytest.raises(ValueError, match="ddp_timeout=60.0 disagrees with HF_ZO_TIMEOUT=5.0"):
+        DistZOPlugin.from_zo_config(args)
+    # Fields at their defaults give way to the environment; an agreeing variable is fine.
+    defaults = ZOConfig(output_dir=str(tmp_path))
+    assert DistZOPlugin.from_zo_config(defaults).timeout_seconds == 5.0
+    monkeypatch.setenv("HF_ZO_TIMEOUT", "60")
+    monkeypatch.setenv("HF_ZO_PERTURBATION_PARALLEL_SIZE", "2")
+    assert DistZOPlugin.from_zo_config(args).timeout_seconds == 60.0
+    assert DistZOPlugin.from_zo_config(defaults).perturbation_parallel_size == 2
 
 
 def test_plugin_rejects_bad_values():

@@ -22,6 +22,8 @@ from .sliced import SlicedTransport, build_slice_group
 
 ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
+_ENV_NAMES = {"zo_perturbation_parallel_size": "PERTURBATION_PARALLEL_SIZE", "ddp_timeout": "TIMEOUT"}
+"""The `ZOConfig` fields that an `HF_ZO_*` environment variable can stand for."""
 
 
 @dataclass
@@ -122,16 +124,10 @@ class DistZOPlugin:
         A field left at its default gives way to the matching `HF_ZO_*` environment variable; a field set to
         something else must agree with it.
         """
-        size = args.zo_perturbation_parallel_size
-        env_size = _from_env("PERTURBATION_PARALLEL_SIZE", int, None)
-        if size != 1 and env_size is not None and env_size != size:
-            raise ValueError(
-                f"zo_perturbation_parallel_size={size} disagrees with HF_ZO_PERTURBATION_PARALLEL_SIZE={env_size}; "
-                "set only one of them."
-            )
+        size = _field_or_env("zo_perturbation_parallel_size", args.zo_perturbation_parallel_size, 1, int)
         return cls(
             perturbation_parallel_size=None if size == 1 else size,
-            timeout_seconds=_from_env("TIMEOUT", float, float(args.ddp_timeout)),
+            timeout_seconds=_field_or_env("ddp_timeout", float(args.ddp_timeout), DEFAULT_TIMEOUT_SECONDS, float),
             offload=args.zo_offload,
             offload_dir=args.zo_offload_dir,
             offload_prefetch=args.zo_offload_prefetch,
@@ -249,6 +245,20 @@ def _boolean(value: str) -> bool:
     if lowered in ("0", "false", "no"):
         return False
     raise ValueError(value)
+
+
+def _field_or_env(field: str, value, default, cast):
+    """`value` of a `ZOConfig` field, or when it is at its `default` the environment variable that stands for it;
+    a field set to something else and a variable that disagrees with it fail."""
+    name = _ENV_NAMES[field]
+    from_env = _from_env(name, cast, None)
+    if from_env is None:
+        return value
+    if value == default:
+        return from_env
+    if from_env != value:
+        raise ValueError(f"{field}={value} disagrees with {ENV_PREFIX}{name}={from_env}; set only one of them.")
+    return value
 
 
 def _from_env(name: str, cast: type, default):
