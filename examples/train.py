@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
         `tuple[ZOTrainer, dict[str, float]]`: the trainer and the final evaluation metrics (empty without data).
     """
     model_args, data, args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    if args.do_predict:  # a TrainingArguments flag that would otherwise be silently ignored
+        raise ValueError(
+            "--do_predict: this script trains and evaluates but writes no predictions; load the saved model and call "
+            "Trainer.predict (or the model) on your data, as examples/README.md shows."
+        )
 
     task_type = resolve_task_type(model_args, data)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)

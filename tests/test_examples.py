@@ -387,7 +387,7 @@ def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path)
             train_script.parse_arguments([*model, flag, "0", "--output_dir", str(tmp_path / "out")])
 
 
-def test_a_missing_model_folder_and_unknown_lora_targets_fail_naming_the_fix(workspace, tmp_path):
+def test_a_missing_model_folder_unknown_lora_targets_and_do_predict_fail_naming_the_fix(workspace, tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match=rf"--model_name_or_path {missing} is not a folder"):
         train_script.parse_arguments(["--model_name_or_path", missing, "--output_dir", str(tmp_path / "out")])
@@ -395,6 +395,8 @@ def test_a_missing_model_folder_and_unknown_lora_targets_fail_naming_the_fix(wor
     flags += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
     with pytest.raises(ValueError, match=r"no module named \['q_proj'\]; its linear layers are named \[.*'query'"):
         run_example(workspace, tmp_path, *flags, "--lora_target_modules", "query", "q_proj")
+    with pytest.raises(ValueError, match=r"--do_predict: this script trains and evaluates but writes no predictions"):
+        run_example(workspace, tmp_path, *flags, "--do_predict")
 
 
 def test_resume_from_checkpoint_true_continues_from_the_last_checkpoint(workspace, tmp_path):
