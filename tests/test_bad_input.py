@@ -3,6 +3,8 @@ raised by hf_zo before any training step, and no checkpoint or output file is da
 
 import hashlib
 import shutil
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -254,3 +256,11 @@ def test_example_script_exits_with_the_message_and_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "error: zo_eps must be > 0, got 0.0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_demo_option_below_one_ends_in_one_line_naming_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_zo.demo", "--lora_rank", "0"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: --lora_rank must be at least 1, got 0; leave it out for its default."

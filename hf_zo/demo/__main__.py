@@ -10,6 +10,7 @@ accuracy no longer can), the wall time, and the peak memory of training against 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,13 @@ class DemoArguments:
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank on the attention query/value projections."})
     output_dir: str = field(default="outputs/demo", metadata={"help": "Where the adapter is saved."})
     seed: int = field(default=42, metadata={"help": "Random seed."})
+
+    def __post_init__(self):
+        for name in ("max_steps", "batch_size", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name} must be at least 1, got {getattr(self, name)}; leave it out for its default."
+                )
 
 
 def held_out_metrics(trainer) -> dict[str, float]:
@@ -153,4 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as error:  # a bad option: its message names the fix, the traceback adds nothing
+        sys.exit(f"error: {error}")
