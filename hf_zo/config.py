@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainingArguments
+from transformers.utils import logging
 
 from .engine import ZO_ENGINES
 from .heads import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES
 from .noise import NOISE_ALGORITHMS, NOISE_DISTRIBUTIONS
 from .offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
 from .optim import ZO_OPTIMIZERS
+
+logger = logging.get_logger(__name__)
+
+_TRAINER_DEFAULT_OPTIM = next(f.default for f in fields(TrainingArguments) if f.name == "optim")
 
 
 @dataclass
@@ -267,6 +272,13 @@ class ZOConfig(TrainingArguments):
         if self.dataloader_pin_memory and not torch.accelerator.is_available():
             # Pinned memory only speeds up copies to an accelerator; without one torch warns on every dataloader.
             self.dataloader_pin_memory = False
+        if self.optim != _TRAINER_DEFAULT_OPTIM:
+            logger.warning(
+                "optim=%r chooses Trainer's first-order optimizer, which ZOTrainer does not use: the weights are "
+                "trained by zo_optimizer=%r (and a new head's first-order part by AdamW).",
+                str(getattr(self.optim, "value", self.optim)),
+                self.zo_optimizer,
+            )
         super().__post_init__()
 
     def _validate_zo_engine_arguments(self) -> None:

@@ -264,3 +264,13 @@ def test_demo_option_below_one_ends_in_one_line_naming_it():
     )
     assert result.returncode == 1
     assert result.stderr.strip() == "error: --lora_rank must be at least 1, got 0; leave it out for its default."
+
+
+def test_trainers_first_order_optim_is_reported_as_unused(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hf_zo.config"):
+        _config(tmp_path)
+        assert "optim=" not in caplog.text
+        _config(tmp_path, optim="adafactor")
+    assert "optim='adafactor' chooses Trainer's first-order optimizer, which ZOTrainer does not use" in caplog.text
