@@ -323,6 +323,13 @@ def test_push_trajectory_to_hub_uploads_file_and_card(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(path))
     assert list(ZOTrajectory.from_pretrained("me/run").steps()) == list(ZOTrajectory.load(path).steps())
 
+    def offline(repo_id, filename, **kw):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find the requested files in the local cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(OSError, match="No trajectory at me/run: it is not a local path, and the Hub repository could"):
+        ZOTrajectory.from_pretrained("me/run")
+
 
 # ---------------------------------------------------------------------- the default user path, from the base alone
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -467,9 +468,14 @@ class ZOTrajectory:
         name = str(path_or_repo_id)
         if os.path.isabs(name) or name.startswith(".") or name.count("/") > 1:
             raise FileNotFoundError(f"No trajectory at {name}: the path does not exist (and is not a Hub repo id).")
-        return cls.load(
-            huggingface_hub.hf_hub_download(str(path_or_repo_id), TRAJECTORY_NAME, revision=revision, token=token)
-        )
+        try:
+            downloaded = huggingface_hub.hf_hub_download(name, TRAJECTORY_NAME, revision=revision, token=token)
+        except LocalEntryNotFoundError as error:  # offline, and not in the local cache
+            raise OSError(
+                f"No trajectory at {name}: it is not a local path, and the Hub repository could not be reached "
+                f"({error}). Give the local file or folder, or connect to the Hub."
+            ) from None
+        return cls.load(downloaded)
 
     # ------------------------------------------------------------------ checks
 
