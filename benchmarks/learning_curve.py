@@ -30,6 +30,8 @@ Variants (select with --variants):
 - `mezo_norm_biases`: MeZO on the LayerNorms' biases only (5k parameters, which carry 94% of the LayerNorms'
   squared gradient; trainable by `requires_grad`), lr 1e-3 (the best of 3e-4, 1e-3 and 3e-3 on held-out
   phrases), eps 1e-3.
+- `mezo_prompt`: MeZO on PEFT prompt tuning (`num_virtual_tokens` = 10 virtual token embeddings, 3,840 parameters,
+  initialised from sampled vocabulary embeddings, pooled with the sentence's tokens), lr 1e-3, eps 1e-2.
 - `mezo_label_similarity`: no head at all: each sentence is scored by the cosine similarity (times `scale`, 20 as
   in sentence-transformers' contrastive losses) of its embedding to the embeddings of `label_texts`, computed by the
   same perturbed encoder in the same forward. It is the sentence encoder's counterpart of MeZO's prompts (the task
@@ -66,7 +68,8 @@ from hf_zo.pooled_classifier import pool  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
-# name: what is trained ("lora", "full", "layernorm", "norms_and_biases", "norm_biases", "adamw" or "adamw_layernorm")
+# name: what is trained ("lora", "full", "layernorm", "norms_and_biases", "norm_biases", "prompt", "adamw" or
+# "adamw_layernorm")
 # and the ZOConfig (or TrainingArguments) fields of the run
 VARIANTS: dict[str, dict] = {
     "mezo_lora": {"method": "lora", "learning_rate": 1e-4, "zo_eps": 1e-2},
@@ -85,6 +88,7 @@ VARIANTS: dict[str, dict] = {
     "mezo_layernorm": {"method": "layernorm", "learning_rate": 3e-4, "zo_eps": 1e-3, "exclude_modules": None},
     "mezo_norms_biases": {"method": "norms_and_biases", "learning_rate": 3e-4, "zo_eps": 1e-3},
     "mezo_norm_biases": {"method": "norm_biases", "learning_rate": 1e-3, "zo_eps": 1e-3},
+    "mezo_prompt": {"method": "prompt", "learning_rate": 1e-3, "zo_eps": 1e-2, "num_virtual_tokens": 10},
     "mezo_label_similarity": {
         "method": "label_similarity",
         "learning_rate": 1e-3,
@@ -241,6 +245,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
     method = spec.pop("method")
     exclude_modules = spec.pop("exclude_modules", None)
     label_texts, scale = spec.pop("label_texts", None), spec.pop("scale", None)
+    num_virtual_tokens = spec.pop("num_virtual_tokens", None)
     torch.manual_seed(options.seed)
     if method == "label_similarity":
         model = LabelSimilarityClassifier.from_encoder(options.model, num_labels=2)
@@ -282,6 +287,15 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, **LORA))
     if method == "layernorm":
         model = _layernorm_tuned(model, exclude_modules)
+    if method == "prompt":
+        from peft import PromptTuningConfig, PromptTuningInit, TaskType, get_peft_model
+
+        config = PromptTuningConfig(
+            task_type=TaskType.SEQ_CLS,
+            num_virtual_tokens=num_virtual_tokens,
+            prompt_tuning_init=PromptTuningInit.SAMPLE_VOCAB,
+        )
+        model = get_peft_model(model, config)
     if method in ("norms_and_biases", "norm_biases"):
         from hf_zo.norm_tuning import is_norm_module
 
@@ -335,6 +349,14 @@ def run(name: str, spec: dict, options: argparse.Namespace, tokenizer, train, ev
     }
 
 
+def label(result: dict, results: list[dict]) -> str:
+    """The variant's name, with its learning rate when another run of the same variant is in `results`."""
+    name = result["variant"]
+    if sum(r["variant"] == name for r in results) > 1:
+        return f"{name}, lr {result['spec']['learning_rate']:g}"
+    return name
+
+
 def plot(results: list[dict], path: str, title: str) -> None:
     """Accuracy against steps and against training minutes, and validation loss against minutes.
 
@@ -352,9 +374,10 @@ def plot(results: list[dict], path: str, title: str) -> None:
         minutes = [p["train_seconds"] / 60 for p in result["curve"]]
         accuracy = [100 * p["accuracy"] for p in result["curve"]]
         style = dict(linestyle="--" if result["spec"]["method"].startswith("adamw") else "-", marker="o", markersize=3)
-        by_step.plot(steps, accuracy, label=result["variant"], **style)
-        by_time.plot(minutes, accuracy, label=result["variant"], **style)
-        loss_by_time.plot(minutes, [p["loss"] for p in result["curve"]], label=result["variant"], **style)
+        name = label(result, results)
+        by_step.plot(steps, accuracy, label=name, **style)
+        by_time.plot(minutes, accuracy, label=name, **style)
+        loss_by_time.plot(minutes, [p["loss"] for p in result["curve"]], label=name, **style)
     zeroth_order = [p for r in results if not r["spec"]["method"].startswith("adamw") for p in r["curve"]]
     accuracy_range = (min([75.0] + [100 * p["accuracy"] - 1 for p in zeroth_order]), 90)
     figure.suptitle(title)
@@ -386,7 +409,7 @@ def table(results: list[dict]) -> str:
         seconds = (r["train_seconds"] - r.get("probe_seconds", 0.0)) / max(1, r["steps"])
         change = 100 * (r["final_accuracy"] - r["start_accuracy"])
         rows.append(
-            f"| {r['variant']} | {r['steps']} | {seconds:.3f} | {100 * r['start_accuracy']:.1f}% | "
+            f"| {label(r, results)} | {r['steps']} | {seconds:.3f} | {100 * r['start_accuracy']:.1f}% | "
             f"{100 * r['final_accuracy']:.1f}% | {100 * r['best_accuracy']:.1f}% | {change:+.1f} |"
         )
     return "\n".join(rows)
