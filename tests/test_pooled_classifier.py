@@ -9,10 +9,10 @@ import torch
 from peft import LoraConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_model
 from transformers import AutoModel, AutoModelForSequenceClassification, BertForSequenceClassification
 
-from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier
+from hf_zo import PooledEncoderForSequenceClassification, ZOTrainer, load_sequence_classifier
 from hf_zo.pooled_classifier import read_pooling_config
 
-from tiny_models import classification_dataset, save_tiny_sentence_encoder, tiny_bert_classifier
+from tiny_models import classification_dataset, save_tiny_sentence_encoder, tiny_bert_classifier, zo_args
 
 # Two sequences, the second padded: masked pooling must ignore its last three tokens.
 INPUT_IDS = torch.tensor([[2, 5, 9, 11, 7, 3], [2, 8, 6, 0, 0, 0]])
@@ -92,18 +92,7 @@ def test_lora_with_head_in_modules_to_save_trains_saves_and_reloads(tmp_path):
     lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["query", "value"])
     model = get_peft_model(load_sequence_classifier(tmp_path / "encoder", num_labels=2), lora)
     head_before = model.base_model.model.classifier.modules_to_save["default"].weight.detach().clone()
-    args = ZOConfig(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        zo_eps=1e-2,
-        zo_head_init_max_samples=16,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
+    args = zo_args(tmp_path, max_steps=3, learning_rate=1e-2, zo_eps=1e-2, zo_head_init_max_samples=16)
     trainer = ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16))
     trainer.train()  # the default head options: linear probe on the pooled features, then a first-order head
     assert trainer.zo_heads.names == ["base_model.model.classifier.modules_to_save.default"]
@@ -144,18 +133,7 @@ def test_prompt_tuning_needs_no_sizes_and_pools_over_the_virtual_tokens(tmp_path
         torch.testing.assert_close(model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits, expected)
 
     before = model.get_prompt_embedding_to_save("default").clone()
-    args = ZOConfig(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        zo_eps=1e-2,
-        zo_head_init_max_samples=16,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
+    args = zo_args(tmp_path, max_steps=3, learning_rate=1e-2, zo_eps=1e-2, zo_head_init_max_samples=16)
     ZOTrainer(model=model, args=args, train_dataset=classification_dataset(16)).train()
     assert not torch.equal(model.get_prompt_embedding_to_save("default"), before)
     model.save_pretrained(tmp_path / "adapter")
