@@ -507,6 +507,11 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, ZOC
         unknown = sorted(set(values) - {action.dest for action in parser._actions})
         if unknown:
             raise ValueError(f"{argv[0]} sets unknown arguments {unknown}; see `python examples/train.py --help`.")
+        for action in parser._actions:  # defaults skip argparse's own check of `choices`
+            if action.choices is not None and action.dest in values and values[action.dest] not in action.choices:
+                raise ValueError(
+                    f"{argv[0]} sets {action.dest} to {values[action.dest]!r}; choose one of {list(action.choices)}."
+                )
         # A string default goes through the argument's type as a flag would (YAML reads 1e-3 as a string).
         parser.set_defaults(**values)
         for action in parser._actions:

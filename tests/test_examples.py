@@ -422,6 +422,8 @@ def test_config_file_with_flags_that_override_it(tmp_path):
         "learning_rate: 1e-3\n"  # YAML reads this as a string: it goes through the flag's type
         "max_steps: 100\n"
         "remove_unused_columns: false\n"  # a flag whose default is True (argparse also has --no_...)
+        "lr_scheduler_type: linear\n"  # a choice among an enum's values
+        "peft: ln_tuning\n"
         f"output_dir: {tmp_path / 'out'}\n"
     )
     model_args, data, args = train_script.parse_arguments([str(config), "--max_steps", "7", "--use_cpu"])
@@ -434,4 +436,8 @@ def test_config_file_with_flags_that_override_it(tmp_path):
 
     config.write_text("model_name_or_path: some/model\nlearning_rat: 1e-3\n")
     with pytest.raises(ValueError, match=r"unknown arguments \['learning_rat'\]"):
+        train_script.parse_arguments([str(config)])
+    # A value outside a flag's choices: argparse checks flags, not the defaults a file sets, so the script does.
+    config.write_text("model_name_or_path: some/model\ntask_name: sst3\n")
+    with pytest.raises(ValueError, match=r"sets task_name to 'sst3'; choose one of \['sst2'"):
         train_script.parse_arguments([str(config)])
