@@ -48,6 +48,7 @@ from transformers import (
     HfArgumentParser,
     set_seed,
 )
+from transformers.integrations import get_available_reporting_integrations
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
@@ -527,6 +528,12 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
         `tuple[ZOTrainer, dict[str, float]]`: the trainer and the final evaluation metrics (empty without data).
     """
     model_args, data, args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    missing = sorted(set(args.report_to) - set(get_available_reporting_integrations()))
+    if missing:  # Trainer would stop on it only after the data and the model are loaded
+        raise ValueError(
+            f"--report_to {' '.join(missing)}: not installed here; install it (e.g. pip install tensorboard) or "
+            "pass --report_to none."
+        )
     if args.do_predict:  # a TrainingArguments flag that would otherwise be silently ignored
         raise ValueError(
             "--do_predict: this script trains and evaluates but writes no predictions; load the saved model and call "

@@ -387,7 +387,9 @@ def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path)
             train_script.parse_arguments([*model, flag, "0", "--output_dir", str(tmp_path / "out")])
 
 
-def test_a_missing_model_folder_unknown_lora_targets_and_do_predict_fail_naming_the_fix(workspace, tmp_path):
+def test_a_missing_model_folder_unknown_lora_targets_and_do_predict_fail_naming_the_fix(
+    workspace, tmp_path, monkeypatch
+):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ValueError, match=rf"--model_name_or_path {missing} is not a folder"):
         train_script.parse_arguments(["--model_name_or_path", missing, "--output_dir", str(tmp_path / "out")])
@@ -397,6 +399,9 @@ def test_a_missing_model_folder_unknown_lora_targets_and_do_predict_fail_naming_
         run_example(workspace, tmp_path, *flags, "--lora_target_modules", "query", "q_proj")
     with pytest.raises(ValueError, match=r"--do_predict: this script trains and evaluates but writes no predictions"):
         run_example(workspace, tmp_path, *flags, "--do_predict")
+    monkeypatch.setattr(train_script, "get_available_reporting_integrations", lambda: [])
+    with pytest.raises(ValueError, match=r"--report_to tensorboard: not installed here; .* --report_to none"):
+        run_example(workspace, tmp_path, *flags, "--report_to", "tensorboard")
 
 
 def test_resume_from_checkpoint_true_continues_from_the_last_checkpoint(workspace, tmp_path):
