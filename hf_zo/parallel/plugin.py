@@ -22,8 +22,6 @@ from .sliced import SlicedTransport, build_slice_group
 
 ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
-_ENV_NAMES = {"zo_perturbation_parallel_size": "PERTURBATION_PARALLEL_SIZE", "ddp_timeout": "TIMEOUT"}
-"""The `ZOConfig` fields that an `HF_ZO_*` environment variable can stand for."""
 
 
 @dataclass
@@ -124,10 +122,12 @@ class DistZOPlugin:
         A field left at its default gives way to the matching `HF_ZO_*` environment variable; a field set to
         something else must agree with it.
         """
-        size = _field_or_env("zo_perturbation_parallel_size", args.zo_perturbation_parallel_size, 1, int)
+        size = _field_or_env(
+            "zo_perturbation_parallel_size", args.zo_perturbation_parallel_size, 1, "PERTURBATION_PARALLEL_SIZE"
+        )
         return cls(
             perturbation_parallel_size=None if size == 1 else size,
-            timeout_seconds=_field_or_env("ddp_timeout", float(args.ddp_timeout), DEFAULT_TIMEOUT_SECONDS, float),
+            timeout_seconds=_field_or_env("ddp_timeout", float(args.ddp_timeout), DEFAULT_TIMEOUT_SECONDS, "TIMEOUT"),
             offload=args.zo_offload,
             offload_dir=args.zo_offload_dir,
             offload_prefetch=args.zo_offload_prefetch,
@@ -247,11 +247,10 @@ def _boolean(value: str) -> bool:
     raise ValueError(value)
 
 
-def _field_or_env(field: str, value, default, cast):
-    """`value` of a `ZOConfig` field, or when it is at its `default` the environment variable that stands for it;
-    a field set to something else and a variable that disagrees with it fail."""
-    name = _ENV_NAMES[field]
-    from_env = _from_env(name, cast, None)
+def _field_or_env(field: str, value, default, name: str):
+    """`value` of a `ZOConfig` field, or when it is at its `default` the environment variable ``HF_ZO_{name}``
+    (read as the field's type); a field set to something else and a variable that disagrees with it fail."""
+    from_env = _from_env(name, type(value), None)
     if from_env is None:
         return value
     if value == default:
