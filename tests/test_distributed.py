@@ -406,3 +406,21 @@ def test_sliced_upload_needs_offload_and_a_perturbation_parallel_group(tmp_path)
         DistZOPlugin(perturbation_parallel_size=2, sliced_upload=True)
     plugin = DistZOPlugin.from_zo_config(ZOConfig(output_dir=str(tmp_path), zo_engine="dual", zo_offload="cpu"))
     assert (plugin.offload, plugin.offload_prefetch, plugin.sliced_upload) == ("cpu", 1, False)
+
+
+@pytest.mark.parametrize("multi_process_request", [True, False])
+def test_a_single_process_launch_that_asked_for_several_is_named(monkeypatch, caplog, multi_process_request):
+    # `accelerate launch --cpu --num_processes 2` without --multi_gpu runs the script once, with a rendezvous address
+    # but no WORLD_SIZE; a plain single-process `accelerate launch` sets neither.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    if multi_process_request:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    else:
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with caplog.at_level("WARNING", logger="hf_zo"):
+        assert DistZOPlugin(backend="gloo").setup() == ZOMesh()
+    named = [r for r in caplog.records if "started this script once" in r.getMessage()]
+    assert len(named) == int(multi_process_request)
+    if multi_process_request:
+        assert "--multi_gpu" in named[0].getMessage()

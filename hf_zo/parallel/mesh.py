@@ -82,6 +82,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     """
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            _warn_if_launcher_started_one_process()
             return
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -89,6 +90,22 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     else:
         dist.distributed_c10d._set_pg_timeout(timeout)
     _register_exit_hook()
+
+
+def _warn_if_launcher_started_one_process() -> None:
+    """Warn when `accelerate launch` was asked for several processes but ran the script once.
+
+    Without `--multi_gpu` (or a config file), `accelerate launch --cpu --num_processes 2` takes its single-process
+    launcher: it sets the rendezvous address that only a multi-process launch needs, and no `WORLD_SIZE`.
+    """
+    launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ
+    if launched_by_accelerate and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        logger.warning(
+            "accelerate launch was given more than one process (or machine) but started this script once, so this "
+            "run trains in a single process. On CPUs add --multi_gpu (Accelerate's multi-process launcher, also for "
+            "CPUs) or use --config_file examples/accelerate_configs/cpu_2_processes.yaml; "
+            "`torchrun --nproc_per_node N` works too."
+        )
 
 
 def destroy_process_group() -> None:
