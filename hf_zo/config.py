@@ -279,6 +279,12 @@ class ZOConfig(TrainingArguments):
                 str(getattr(self.optim, "value", self.optim)),
                 self.zo_optimizer,
             )
+        if self.neftune_noise_alpha is not None:
+            logger.warning(
+                "neftune_noise_alpha=%r is ignored: NEFTune adds its noise only in train mode, and ZO's forwards run "
+                "in eval mode (docs/how_zo_works.md).",
+                self.neftune_noise_alpha,
+            )
         super().__post_init__()
 
     def _validate_zo_engine_arguments(self) -> None:

@@ -558,6 +558,21 @@ def schedule_scale(lr_scheduler, optimizer, base_lr: float) -> float:
     return optimizer.param_groups[0]["lr"] / base_lr
 
 
+def _check_probe_fits(model: nn.Module) -> None:
+    """Fail when the model's head is not a softmax over classes: the probe fits a multinomial logistic regression,
+    so regression targets would be truncated to integers and multi-hot labels read as class indices."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    problem_type = getattr(config, "problem_type", None)
+    if problem_type in ("regression", "multi_label_classification") or getattr(config, "num_labels", 2) == 1:
+        kind = problem_type or "regression (num_labels=1)"
+        raise ValueError(
+            f"zo_head_init='linear_probe' fits a single-label classifier's head (a softmax over num_labels >= 2 "
+            f"classes), but this model's problem_type is {kind}. Set zo_head_init='none' (or 'auto', which "
+            "leaves such heads as they are)."
+        )
+
+
 def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) -> ZOHeads:
     """Apply `trainer.args.zo_head_*` to `trainer.model` at the start of training.
 
@@ -575,6 +590,7 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     if (mismatch := pooling_mismatch(model)) is not None:
         logger.warning(mismatch)
     if head_init == "linear_probe" and not resume_from_checkpoint:
+        _check_probe_fits(model)
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
         name, head = list(heads.items())[-1]  # the module that produces the logits

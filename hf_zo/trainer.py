@@ -21,7 +21,13 @@ import torch
 from torch.utils.data import RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length, rotate_checkpoints
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    enable_full_determinism,
+    has_length,
+    rotate_checkpoints,
+    set_seed,
+)
 from transformers.utils import logging
 
 from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
@@ -105,13 +111,7 @@ class ZOTrainer(Trainer):
         _check_parallel_mode(args, self.zo_plugin.mesh.world_size)
         self.zo_offloader = None
         if model is not None:
-            # What DDP does when it wraps a model: every rank starts from rank 0's weights (a new head or LoRA matrix
-            # is initialised from each process's own RNG). Done before offload, while every tensor is resident.
-            self.zo_plugin.sync_replicas(_named_state(model))
-            # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the
-            # resident modules reach the device.
-            if self.zo_plugin.offload is not None:
-                self.zo_offloader = self.zo_plugin.prepare_model(model, args.device)
+            self._prepare_zo_model(model, args.device)
         super().__init__(
             model=model,
             args=args,
@@ -149,6 +149,37 @@ class ZOTrainer(Trainer):
         self._zo_log_grads: list[float] = []
         self._zo_log_skipped = 0
         self.zo_heads = ZOHeads()
+
+    # ------------------------------------------------------------------ model
+
+    def _prepare_zo_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Make `model` ready before `Trainer` places it on `device`: identical on every rank, and offloaded."""
+        # What DDP does when it wraps a model: every rank starts from rank 0's weights (a new head or LoRA matrix
+        # is initialised from each process's own RNG). Done before offload, while every tensor is resident.
+        self.zo_plugin.sync_replicas(_named_state(model))
+        # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the resident
+        # modules reach the device.
+        if self.zo_plugin.offload is not None:
+            self.zo_offloader = self.zo_plugin.prepare_model(model, device)
+        return model
+
+    def call_model_init(self, trial=None) -> torch.nn.Module:
+        """`Trainer.call_model_init`, with the model made ready for ZO (synchronised replicas, offloaded blocks)."""
+        model = self._prepare_zo_model(super().call_model_init(trial), self.args.device)
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(self._tag_names)
+        return model
+
+    def _reinit_model(self, trial) -> None:
+        """Rebuild the model from `model_init` at the start of `train()`, as `Trainer.train` does, but before the
+        head options are applied, so that the linear probe fits the head of the model that then trains."""
+        args = self.args
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        self.model = self.call_model_init(trial)
+        self.optimizer, self.lr_scheduler = None, None
+        if self.place_model_on_device:
+            self._move_model_to_device(self.model, args.device)
+        self.model_wrapped = self.model
 
     # ------------------------------------------------------------------ checks
 
@@ -284,8 +315,10 @@ class ZOTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
 
         def closure():
+            # A copy per forward: `compute_loss` pops the labels when a label smoother, a `compute_loss_func` or an
+            # override takes them out, and each estimate runs it at least twice on the same batch.
             with self.compute_loss_context_manager(), self.zo_heads.capture():
-                return self.zo_heads.backward(self.compute_loss(model, inputs))
+                return self.zo_heads.backward(self.compute_loss(model, copy.copy(inputs)))
 
         optimizer = self.zo_optimizer
         skipped_before = optimizer.num_skipped
@@ -313,18 +346,24 @@ class ZOTrainer(Trainer):
         if optimizer is not None:
             optimizer.flush()
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """`Trainer.train`, with the head options (`zo_head_*`) applied first and the last pending update applied
-        before returning."""
+        before returning. A model from `model_init` is rebuilt here, before the head options, instead of inside
+        `Trainer.train`."""
+        model_init = self.model_init
+        if model_init is not None:
+            self._reinit_model(trial)
         _check_trainable(self.model)
         self.zo_heads.close()
         if self.zo_heads in self.callback_handler.callbacks:
             self.remove_callback(self.zo_heads)
-        self.zo_heads = prepare_zo_heads(self, args[0] if args else kwargs.get("resume_from_checkpoint"))
+        self.zo_heads = prepare_zo_heads(self, resume_from_checkpoint)
         self.add_callback(self.zo_heads)
+        self.model_init = None  # rebuilt above: Trainer.train must not replace the model whose head was prepared
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
+            self.model_init = model_init
             self.flush_pending_update()
 
     def evaluate(self, *args, **kwargs):

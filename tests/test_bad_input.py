@@ -271,6 +271,27 @@ def test_trainers_first_order_optim_is_reported_as_unused(tmp_path, caplog):
 
     with caplog.at_level(logging.WARNING, logger="hf_zo.config"):
         _config(tmp_path)
-        assert "optim=" not in caplog.text
+        assert "optim=" not in caplog.text and "neftune" not in caplog.text
         _config(tmp_path, optim="adafactor")
+        _config(tmp_path, neftune_noise_alpha=5.0)
     assert "optim='adafactor' chooses Trainer's first-order optimizer, which ZOTrainer does not use" in caplog.text
+    assert "neftune_noise_alpha=5.0 is ignored" in caplog.text
+
+
+@pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
+def test_linear_probe_forced_on_a_head_that_is_not_a_softmax_names_the_fix(tmp_path, problem):
+    from transformers import BertForSequenceClassification
+
+    from tiny_models import tiny_bert_config
+
+    num_labels = 1 if problem == "regression" else 3
+    model = BertForSequenceClassification(tiny_bert_config(num_labels=num_labels, problem_type=problem))
+    rows = [
+        {"input_ids": [5, 6, 7], "label": [0.25, 1.0, 0.0][:num_labels] if problem != "regression" else 2.5}
+        for _ in range(4)
+    ]
+    trainer = ZOTrainer(
+        model=model, args=_config(tmp_path, zo_head_init="linear_probe"), train_dataset=Dataset.from_list(rows)
+    )
+    with pytest.raises(ValueError, match=f"problem_type is {problem}.*zo_head_init='none'"):
+        trainer.train()

@@ -1,5 +1,6 @@
 """ZOTrainer end to end: training, logging, exact resume, model cards."""
 
+import math
 import shutil
 
 import pytest
@@ -141,3 +142,61 @@ def test_plain_training_arguments_are_converted(tmp_path):
     trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
     assert isinstance(trainer.args, ZOConfig) and trainer.args.learning_rate == 0.01
     assert trainer.args.zo_eps == 1e-3
+
+
+def _classifier_run(tmp_path, trainer_class=ZOTrainer, **kwargs):
+    from tiny_models import classification_dataset, tiny_bert_classifier
+
+    if "model_init" not in kwargs:
+        kwargs["model"] = tiny_bert_classifier(seed=0)
+    args = _args(tmp_path, max_steps=4, **kwargs.pop("args", {}))
+    trainer = trainer_class(args=args, train_dataset=classification_dataset(16), **kwargs)
+    trainer.train()
+    return trainer
+
+
+class _PoppingLossTrainer(ZOTrainer):
+    """The `compute_loss` override of transformers' docs: it takes the labels out of the inputs."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(outputs.logits, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_loss_customisations_that_take_the_labels_out_of_the_inputs_train(tmp_path):
+    """Trainer's `compute_loss` pops the labels for a label smoother or a `compute_loss_func`; each ZO forward must
+    still get them. The cross-entropy written by hand trains the weights the model's own loss does."""
+    reference = _classifier_run(tmp_path / "reference").model.state_dict()
+
+    def cross_entropy(outputs, labels, num_items_in_batch=None):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels)
+
+    for custom in (
+        _classifier_run(tmp_path / "loss_func", compute_loss_func=cross_entropy),
+        _classifier_run(tmp_path / "override", trainer_class=_PoppingLossTrainer),
+    ):
+        assert all(torch.equal(t, reference[n]) for n, t in custom.model.state_dict().items())
+
+    smoothed = _classifier_run(tmp_path / "smoothed", args={"label_smoothing_factor": 0.1})
+    assert math.isfinite(smoothed.state.log_history[-1]["train_loss"])
+    assert not torch.equal(smoothed.model.classifier.weight, reference["classifier.weight"])
+
+
+def test_a_model_from_model_init_is_the_one_whose_head_is_probed_and_trained(tmp_path):
+    from tiny_models import tiny_bert_classifier
+
+    built = []
+
+    def model_init():
+        built.append(tiny_bert_classifier(seed=0))
+        return built[-1]
+
+    trainer = _classifier_run(tmp_path / "init", model_init=model_init)
+    reference = _classifier_run(tmp_path / "model").model.state_dict()
+
+    assert trainer.model is built[-1]
+    untrained = tiny_bert_classifier(seed=0).classifier.weight
+    assert not torch.equal(trainer.model.classifier.weight, untrained)
+    assert all(torch.equal(t, reference[n]) for n, t in trainer.model.state_dict().items())
