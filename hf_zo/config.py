@@ -137,7 +137,10 @@ class ZOConfig(TrainingArguments):
             safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
             `zo_optimizer="zo_sgd"` (whose updates wait until each block arrives). The other modules stay resident.
         zo_offload_dir (`str`, *optional*):
-            Directory of the `"disk"` tier's block files (default: a temporary directory, removed at exit).
+            Directory of the `"disk"` tier (default: the system's temporary directory), created if missing. The
+            block files go in a new, uniquely named folder of their own inside it (`hf_zo-offload-XXXXXXXX`, one per
+            process), removed when the offloaded model is released or at exit; files already there are never
+            touched.
         zo_offload_prefetch (`int`, *optional*, defaults to `1`):
             Blocks loaded ahead of the one computing; peak block memory on the working device is `prefetch + 1`
             blocks.

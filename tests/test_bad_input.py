@@ -145,7 +145,9 @@ def test_offload_dir_full(tmp_path, monkeypatch):
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 5))
     with pytest.raises(OSError, match="has 0.0 MiB free but block 0 needs"):
         disk.store_block(0, [("weight", torch.zeros(1000))])
-    assert list((tmp_path / "offload").iterdir()) == []
+    assert list(Path(disk.directory).iterdir()) == []  # nothing written
+    disk.close()
+    assert not (tmp_path / "offload").exists()  # the storage created the folder, so it goes with the storage
 
 
 def test_mismatched_peft_config(tmp_path):

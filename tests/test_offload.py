@@ -1,5 +1,6 @@
 """Offload (ZO2): sequential, dual and dual + offloaded blocks train identically; disk-tier memory is bounded."""
 
+import gc
 import json
 import os
 import shutil
@@ -160,7 +161,7 @@ def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
     optimizer.step(lambda: model(input_ids=ids, labels=ids).loss)  # the first update is applied as blocks arrive
     optimizer.flush()
     assert written and all(id(view) in trainable_views for view in written)
-    with safe_open(os.path.join(str(tmp_path), "block_00000.safetensors"), "pt") as stored:
+    with safe_open(os.path.join(offloader.storage.directory, "block_00000.safetensors"), "pt") as stored:
         dtypes = {key: stored.get_tensor(key).dtype for key in stored.keys()}
     assert {d for k, d in dtypes.items() if "lora_" not in k} == {torch.bfloat16}
     assert {d for k, d in dtypes.items() if "lora_" in k} == {torch.float32}
@@ -294,12 +295,24 @@ def test_peft_after_offload_is_refused(tmp_path):
         optimizer.estimate(lambda: model(input_ids=ids, labels=ids).loss)
 
 
-def test_a_users_offload_dir_keeps_no_block_files_after_the_run(tmp_path):
+def _user_files(folder):
+    """A user's own files in `folder`, one named like a block file of the disk tier: name -> bytes."""
+    files = {"block_00000.safetensors": b"my block", "notes.txt": b"keep me\n"}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def _contents(folder):
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def test_a_users_files_in_offload_dir_survive_the_run(tmp_path):
     # ZOTrainer keeps the model offloaded after train() (evaluate, save and predict still stream its blocks), so the
-    # files go when the storage is collected or the process exits; the folder itself is the user's and stays.
+    # blocks go when the storage is collected or the process exits; the folder and its files are the user's and stay.
     script = textwrap.dedent(
         f"""
-        import sys
+        import os, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from hf_zo import ZOConfig, ZOTrainer
         from tiny_models import lm_dataset, tiny_causal_lm
@@ -309,19 +322,45 @@ def test_a_users_offload_dir_keeps_no_block_files_after_the_run(tmp_path):
                         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
         trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(8))
         trainer.train()
-        print(sorted(name for name in __import__("os").listdir({str(tmp_path / "zo")!r})))
+        print(sorted(os.listdir({str(tmp_path / "zo")!r})))
+        print(sorted(os.listdir(trainer.zo_offloader.storage.directory)))
         """
     )
     (tmp_path / "zo").mkdir()
+    files = _user_files(tmp_path / "zo")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "block_00000.safetensors" in result.stdout  # during the run the blocks live there
-    assert os.listdir(tmp_path / "zo") == []
+    assert _contents(tmp_path / "zo") == files  # byte for byte, and nothing of the storage's left
+    during, ours = result.stdout.strip().splitlines()[-2:]
+    assert "'hf_zo-offload-" in during and "'notes.txt'" in during  # the blocks live in a folder of their own
+    assert "'block_00000.safetensors'" in ours and "'block_00001.safetensors'" in ours
 
-    # A folder the storage had to create (as each rank's rank{r}/ is) goes with its files.
+
+def test_disk_storage_writes_and_removes_only_its_own_files(tmp_path):
     from hf_zo.offload import DiskStorage
 
-    storage = DiskStorage(str(tmp_path / "zo" / "rank0"))
+    files = _user_files(tmp_path)
+    first, second = DiskStorage(str(tmp_path)), DiskStorage(str(tmp_path))  # two ranks, or two runs, share it
+    assert first.directory != second.directory
+    assert os.path.dirname(first.directory) == str(tmp_path)
+    views = first.store_block(0, [("weight", torch.ones(4))])
+    second.store_block(0, [("weight", torch.zeros(4))])
+    assert torch.equal(views[0], torch.ones(4))  # not overwritten by the other storage's block 0
+    assert (tmp_path / "block_00000.safetensors").read_bytes() == b"my block"
+    first.close()
+    assert not os.path.exists(first.directory) and os.path.exists(second.directory)
+    del second, views
+    gc.collect()  # collected without close(): its folder goes too
+    assert _contents(tmp_path) == files
+
+    # Folders the storage had to create go with it (when empty); an existing parent stays.
+    storage = DiskStorage(str(tmp_path / "new" / "deeper"))
     storage.store_block(0, [("weight", torch.ones(4))])
     storage.close()
-    assert os.listdir(tmp_path / "zo") == []
+    assert _contents(tmp_path) == files
+
+    # A file put into a folder the storage created is not the storage's: it stays, with its folders.
+    storage = DiskStorage(str(tmp_path / "new"))
+    (tmp_path / "new" / "later.txt").write_bytes(b"mine")
+    storage.close()
+    assert _contents(tmp_path / "new") == {"later.txt": b"mine"}

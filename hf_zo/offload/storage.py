@@ -3,7 +3,8 @@
 - `CPUStorage`: host memory, page-locked (pinned) when CUDA is available so that uploads are asynchronous.
 - `DiskStorage`: one safetensors file per block, memory-mapped shared and writable, so the at-rest tensors are
   file-backed pages (not anonymous memory) and write-back updates the file in place. Each file stays a valid
-  safetensors file that `safetensors.safe_open` can read.
+  safetensors file that `safetensors.safe_open` can read. The files live in a folder of the storage's own, created
+  inside the chosen directory and removed with the storage, so a user's files there are never touched.
 
 A storage returns, for each block, one *at-rest view* per tensor; the tensor's module parameter points at that view
 whenever the block is not on the working device, so `state_dict()`, `load_state_dict()` and saving work unchanged.
@@ -68,29 +69,58 @@ class CPUStorage(BlockStorage):
 class DiskStorage(BlockStorage):
     """Blocks kept in safetensors files (`block_00000.safetensors`, ...) mapped into memory, shared and writable.
 
+    The files go in a new folder of this storage's own, uniquely named (`hf_zo-offload-XXXXXXXX`), inside
+    `directory`: the storage never writes, overwrites or deletes anything it did not create, so a user's files in
+    `directory` are left untouched and several storages (the ranks of a multi-process run, or concurrent runs) can
+    share one `directory`.
+
     Args:
         directory (`str`, *optional*):
-            Where the files go. Defaults to a new temporary directory. The block files are removed by
-            :meth:`close`, or when the storage is garbage-collected or the process exits, whichever comes first, and
-            with them the directory if this storage created it; an existing directory is left in place.
+            The folder in which the storage's own folder is created; created if missing. Defaults to the system's
+            temporary directory. The block files and the storage's own folder are removed by :meth:`close`, or when
+            the storage is garbage-collected or the process exits, whichever comes first, and with them the folders
+            of `directory` that this storage had to create, when they are empty; an existing `directory` is left
+            in place.
+
+    Attributes:
+        directory (`str`): the storage's own folder, where the block files live.
+        paths (`list[str]`): the block files written so far.
     """
 
+    PREFIX = "hf_zo-offload-"
+    """Name prefix of the storage's own folder."""
+
     def __init__(self, directory: str | None = None):
-        # A folder this storage creates (a temporary one, or a zo_offload_dir that did not exist) goes with it.
-        self._owns_directory = directory is None or not os.path.exists(directory)
-        self.directory = tempfile.mkdtemp(prefix="hf_zo_offload_") if directory is None else directory
+        root = tempfile.gettempdir() if directory is None else os.path.abspath(directory)
+        # The folders on the way to `root` that do not exist yet, deepest first: the storage creates them, so they
+        # may go with it (only while empty: anything put in them later is not ours).
+        created = []
+        parent = root
+        while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+            created.append(parent)
+            parent = os.path.dirname(parent)
+        # A unique folder of our own (mode 0o700), so block names never meet a user's files or another storage's.
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            tempfile.TemporaryFile(dir=self.directory).close()  # probe: can we create files there?
+            for attempt in range(3):
+                os.makedirs(root, exist_ok=True)
+                try:
+                    self.directory = tempfile.mkdtemp(prefix=self.PREFIX, dir=root)
+                    break
+                except FileNotFoundError:  # another storage that had created `root` removed it in between
+                    if attempt == 2:
+                        raise
         except OSError as error:
+            _remove_folders(created)
             raise OSError(
-                f"zo_offload_dir {self.directory!r} is not a writable folder ({error.strerror or error}); choose a "
-                "folder you can write to, on a local disk with room for the model's blocks."
+                f"zo_offload_dir {root!r} is not a writable folder ({error.strerror or error}); choose a folder you "
+                "can write to, on a local disk with room for the model's blocks."
             ) from None
+        self.root = root
         self.paths: list[str] = []
-        # Mapped files stay readable after unlinking, so the files (and a directory of our own) can go when the
-        # storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
-        weakref.finalize(self, _remove, self.paths, self.directory if self._owns_directory else None)
+        # Mapped files stay readable after unlinking, so the files and the folders the storage created can go when
+        # the storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
+        self._folders = [self.directory, *created]
+        weakref.finalize(self, _remove, self.paths, self._folders)
 
     def store_block(self, block, named_tensors):
         path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
@@ -101,26 +131,38 @@ class DiskStorage(BlockStorage):
         free = shutil.disk_usage(self.directory).free
         if free < needed:
             raise OSError(
-                f"zo_offload_dir {self.directory!r} has {free / 2**20:.1f} MiB free but block {block} needs "
+                f"zo_offload_dir {self.root!r} has {free / 2**20:.1f} MiB free but block {block} needs "
                 f"{needed / 2**20:.1f} MiB; free some space or choose another zo_offload_dir (or zo_offload='cpu')."
             )
+        if path not in self.paths:
+            self.paths.append(path)  # before writing: a partly written file is ours to remove too
         save_file({name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, path)
-        self.paths.append(path)
         return _map_safetensors(path, names)
 
     def close(self) -> None:
-        _remove(self.paths, self.directory if self._owns_directory else None)
+        _remove(self.paths, self._folders)
 
 
-def _remove(paths: list[str], directory: str | None) -> None:
-    """Delete the block files `paths` (emptying the list) and then `directory`, when given and empty."""
+def _remove(paths: list[str], folders: list[str]) -> None:
+    """Delete the block files `paths`, then each of `folders` (in order) that is empty, and empty both lists."""
     for path in paths:
-        if os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     paths.clear()
-    if directory is not None:
-        with contextlib.suppress(OSError):  # gone already, or holding files that are not ours
-            os.rmdir(directory)
+    _remove_folders(folders)
+
+
+def _remove_folders(folders: list[str]) -> None:
+    """`rmdir` each of `folders` in order (children before parents), emptying the list; a folder that is gone
+    already or holds files that are not ours stays, and so do its parents."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            break
+    folders.clear()
 
 
 _SAFETENSORS_DTYPES = {

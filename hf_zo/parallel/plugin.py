@@ -49,8 +49,8 @@ class DistZOPlugin:
             Storage tier of the model's blocks (`"cpu"` or `"disk"`, see `hf_zo.offload`); every rank streams its
             own copy of the blocks to its own device. Taken from `ZOConfig.zo_offload` (validated there), like the
             three fields below; `None` keeps the model resident.
-        offload_dir (`str`, *optional*): the disk tier's directory; each rank of a multi-process run uses its own
-            `rank{r}` sub-directory.
+        offload_dir (`str`, *optional*): the disk tier's directory; each rank's storage creates its own uniquely
+            named folder in it (so ranks, and concurrent runs, share it without meeting) and removes it afterwards.
         offload_prefetch (`int`, defaults to 1): blocks loaded ahead of the one computing.
         offload_dtype (`str`, *optional*): storage and transfer dtype of frozen block tensors.
         sliced_upload (`bool`, *optional*):
@@ -198,16 +198,13 @@ class DistZOPlugin:
         if self.offload is None:
             return None
         mesh = self.setup()
-        directory = self.offload_dir
-        if directory is not None and mesh.world_size > 1:
-            directory = os.path.join(directory, f"rank{mesh.rank}")
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         transport = None
         if self.sliced_upload:
             group = build_slice_group(mesh, self.backend, self.timeout)
             transport = SlicedTransport(device, group, self.upload_stats)
         self.offloader = offload_model(
-            model, self.offload, directory, device, self.offload_prefetch, self.offload_dtype, transport
+            model, self.offload, self.offload_dir, device, self.offload_prefetch, self.offload_dtype, transport
         )
         return self.offloader
 
