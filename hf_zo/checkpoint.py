@@ -4,13 +4,23 @@
 after syncing it to disk. A process killed at any moment leaves either the previous checkpoints untouched and a
 stale staging folder (ignored by `get_last_checkpoint`, cleared by the next save), or the new checkpoint complete.
 Final saves of the model replace files one by one with atomic renames, so no file is ever half-written.
+Before a run resumes, :func:`check_resumable` reads every file of the checkpoint, so that a damaged or missing one
+is named instead of failing deep inside a loader or, worse, resuming another run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import safe_globals
+
+from .trajectory.format import TRAJECTORY_NAME
 
 STAGING_DIR_NAME = ".zo-staging"
 """Folder, inside the run directory, where checkpoints are written before they are published."""
@@ -63,3 +73,45 @@ def replace_files_atomically(source: str | os.PathLike, target: str | os.PathLik
             os.replace(path, destination)
     _fsync_dir(target)
     shutil.rmtree(source, ignore_errors=True)
+
+
+OPTIMIZER_STATE_NAME = "optimizer.pt"
+"""The file of a checkpoint holding the ZO optimizer's state, its step counter included (`Trainer`'s name)."""
+
+
+def check_resumable(checkpoint: str | os.PathLike) -> None:
+    """Fail, naming the file, when the checkpoint folder `checkpoint` lacks its optimizer state or holds a file that
+    cannot be read (truncated, or with a damaged header).
+
+    The ZO optimizer's step counter seeds every perturbation, so a checkpoint without `optimizer.pt` would resume
+    with other perturbations than the run's; `Trainer` would skip the missing file silently. Tensor files are
+    opened, not loaded (`safe_open`, `torch.load(mmap=True)`): a changed byte inside a tensor is caught later, by the
+    checksum of the checkpoint's trajectory.
+
+    Raises:
+        `ValueError`: naming the checkpoint, the file and what to do.
+    """
+    folder = Path(checkpoint)
+    advice = "Resume from another checkpoint, or train into a new output_dir."
+    if not (folder / OPTIMIZER_STATE_NAME).is_file():
+        raise ValueError(
+            f"Checkpoint {folder} has no {OPTIMIZER_STATE_NAME}, which holds the ZO optimizer's step counter: "
+            f"resumed without it, the run would draw other perturbations than the ones it was trained with. {advice}"
+        )
+    for path in sorted(folder.iterdir()):
+        if path.name in (TRAINING_ARGS_NAME, TRAJECTORY_NAME):
+            continue  # a record of the run's arguments that resuming does not read; a trajectory checks itself
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                with safe_open(path, framework="pt") as tensors:
+                    list(tensors.keys())
+            elif path.suffix in (".pt", ".pth", ".bin"):
+                with safe_globals():  # the numpy arrays of Trainer's RNG states
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # each reader has its own error types; all mean the same here
+            raise ValueError(
+                f"Checkpoint {folder} cannot be resumed: {path.name} is damaged or truncated "
+                f"({type(error).__name__}: {error}). {advice}"
+            ) from error

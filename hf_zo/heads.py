@@ -532,10 +532,23 @@ class ZOHeads(TrainerCallback):
             torch.save(self.first_order.optimizer.state_dict(), os.path.join(checkpoint, HEAD_OPTIMIZER_NAME))
 
     def load_checkpoint(self, checkpoint: str) -> None:
-        """Restore the first-order head's AdamW state saved in `checkpoint` (if it has one)."""
+        """Restore the first-order head's AdamW state saved in `checkpoint`.
+
+        Raises:
+            `ValueError`: when the head is trained first-order but `checkpoint` has no such state (resuming without it
+            would restart the head's AdamW moments, so the run would not continue as it was).
+        """
+        if self.first_order is None:
+            return
         path = os.path.join(checkpoint, HEAD_OPTIMIZER_NAME)
-        if self.first_order is not None and os.path.isfile(path):
-            self.first_order.optimizer.load_state_dict(torch.load(path, weights_only=True))
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"Checkpoint {checkpoint} has no {HEAD_OPTIMIZER_NAME}, the AdamW state of the head that "
+                "zo_head_training='first_order' trains: it was removed, or the checkpoint comes from a run that "
+                "trained its head otherwise. Resume from a complete checkpoint with the run's zo_head_* options, or "
+                "train into a new output_dir."
+            )
+        self.first_order.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
     def close(self) -> None:
         """Detach from the model (hooks removed)."""

@@ -24,13 +24,20 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     enable_full_determinism,
+    get_last_checkpoint,
     has_length,
     rotate_checkpoints,
     set_seed,
 )
 from transformers.utils import logging
 
-from .checkpoint import publish_checkpoint, replace_files_atomically, staging_dir
+from .checkpoint import (
+    OPTIMIZER_STATE_NAME,
+    check_resumable,
+    publish_checkpoint,
+    replace_files_atomically,
+    staging_dir,
+)
 from .config import ZOConfig
 from .defaults import fill_method_defaults
 from .engine import DualEngine
@@ -357,6 +364,12 @@ class ZOTrainer(Trainer):
         self.zo_heads.close()
         if self.zo_heads in self.callback_handler.callbacks:
             self.remove_callback(self.zo_heads)
+        if resume_from_checkpoint:
+            checkpoint = resume_from_checkpoint
+            if checkpoint is True:
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is not None and os.path.isdir(checkpoint):  # else Trainer names what is missing
+                check_resumable(checkpoint)
         self.zo_heads = prepare_zo_heads(self, resume_from_checkpoint)
         self.add_callback(self.zo_heads)
         self.model_init = None  # rebuilt above: Trainer.train must not replace the model whose head was prepared
@@ -451,6 +464,13 @@ class ZOTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """`Trainer._load_optimizer_and_scheduler`; the trajectory saved in `checkpoint` is then continued."""
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.zo_optimizer.zo_step != self.state.global_step:
+            raise ValueError(
+                f"Checkpoint {checkpoint} does not hold one state: {TRAINER_STATE_NAME} is at step "
+                f"{self.state.global_step} but the ZO optimizer of {OPTIMIZER_STATE_NAME} at step "
+                f"{self.zo_optimizer.zo_step}, so one of them was changed or replaced. Resume from another "
+                "checkpoint, or train into a new output_dir."
+            )
         self.zo_trajectory_callback.resume_from = checkpoint
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:

@@ -220,6 +220,61 @@ def test_resume_with_another_model(tmp_path, checkpoint):
         _resume(tmp_path, checkpoint, wider)
 
 
+def _damaged_copy(tmp_path, checkpoint, damage):
+    copy = tmp_path / "damaged" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    damage(copy)
+    return copy
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_last_weight_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # inside the tensor data, after the header
+    path.write_bytes(bytes(data))
+
+
+def _step_back(path: Path) -> None:
+    path.write_text(path.read_text().replace('"global_step": 2', '"global_step": 1'))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda c: (c / "optimizer.pt").unlink(), "has no optimizer.pt, which holds the ZO optimizer's step counter"),
+        (lambda c: _truncate(c / "optimizer.pt"), "optimizer.pt is damaged or truncated"),
+        (lambda c: _truncate(c / "scheduler.pt"), "scheduler.pt is damaged or truncated"),
+        (lambda c: _truncate(c / "rng_state.pth"), "rng_state.pth is damaged or truncated"),
+        (lambda c: _truncate(c / "model.safetensors"), "model.safetensors is damaged or truncated"),
+        (lambda c: _truncate(c / "trainer_state.json"), "trainer_state.json is damaged or truncated"),
+        (lambda c: _step_back(c / "trainer_state.json"), "trainer_state.json is at step 1 but the ZO optimizer of"),
+        (lambda c: _flip_last_weight_byte(c / "model.safetensors"), "are not those its zo_trajectory.bin recorded"),
+    ],
+    ids=["no-optimizer", "optimizer", "scheduler", "rng", "weights", "state", "state-step", "weights-byte"],
+)
+def test_resume_from_a_damaged_checkpoint_names_the_file(tmp_path, checkpoint, damage, message):
+    """A damaged or missing file is named before training goes on from a state the run never had."""
+    damaged = _damaged_copy(tmp_path, checkpoint, damage)
+    with pytest.raises(ValueError, match=message):
+        _resume(tmp_path, damaged, tiny_causal_lm("opt"))
+
+
+def test_resume_without_the_first_order_heads_state_names_it(tmp_path):
+    from tiny_models import classification_dataset, tiny_bert_classifier
+
+    args = _config(tmp_path / "run", max_steps=2, save_steps=2, per_device_train_batch_size=4)
+    ZOTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_dataset(8)).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    (checkpoint / "zo_head_optimizer.pt").unlink()
+    args = _config(tmp_path / "resumed", max_steps=4, per_device_train_batch_size=4)
+    trainer = ZOTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_dataset(8))
+    with pytest.raises(ValueError, match="has no zo_head_optimizer.pt, the AdamW state of the head"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
 def test_resume_from_a_missing_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
         _resume(tmp_path, tmp_path / "nowhere", tiny_causal_lm("opt"))

@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 from transformers.utils import logging
 
 from ..optim import ZOOptimizer
-from .format import TRAJECTORY_NAME, TrajectoryFormatError, ZOTrajectory
+from .format import TRAJECTORY_NAME, TrajectoryFormatError, ZOTrajectory, checksum, trajectory_tensors
 
 logger = logging.get_logger(__name__)
 
@@ -39,7 +39,7 @@ class ZOTrajectoryCallback(TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
         if self.trajectory is None or self.trajectory.next_step != optimizer.zo_step:
-            self.trajectory = self._resumed_trajectory(optimizer) or ZOTrajectory.start(model, optimizer)
+            self.trajectory = self._resumed_trajectory(optimizer, model) or ZOTrajectory.start(model, optimizer)
         others = self.trajectory.header.get("trained_outside", [])
         if others:
             logger.info(
@@ -50,7 +50,7 @@ class ZOTrajectoryCallback(TrainerCallback):
             )
         self._handle = self.trajectory.attach(optimizer)
 
-    def _resumed_trajectory(self, optimizer: ZOOptimizer) -> ZOTrajectory | None:
+    def _resumed_trajectory(self, optimizer: ZOOptimizer, model: torch.nn.Module) -> ZOTrajectory | None:
         if self.resume_from is None:
             return None
         path = Path(self.resume_from) / TRAJECTORY_NAME
@@ -86,8 +86,26 @@ class ZOTrajectoryCallback(TrainerCallback):
                 optimizer.zo_step,
             )
             return None
+        self._check_resumed_weights(trajectory, model)
         trajectory.header["checksums"]["end"] = None
         return trajectory
+
+    def _check_resumed_weights(self, trajectory: ZOTrajectory, model: torch.nn.Module) -> None:
+        """Fail when the weights loaded from the checkpoint are not those its trajectory ended with: a weights file
+        changed after the save (a damaged byte, or another run's file copied in) would otherwise be trained on."""
+        end = trajectory.header["checksums"]["end"]
+        if end is None or end.get("step") != trajectory.next_step:
+            return
+        actual = checksum(trajectory_tensors(model, trajectory.header))
+        if actual["sha256"] == end["sha256"]:
+            return
+        differ = [name for name, digest in actual["parameters"].items() if digest != end["parameters"].get(name)]
+        raise ValueError(
+            f"The weights loaded from checkpoint {self.resume_from} are not those its {TRAJECTORY_NAME} recorded at "
+            f"step {trajectory.next_step}: {len(differ)} of {len(actual['parameters'])} trained tensors differ "
+            f"({', '.join(differ[:3])}{' and more' if len(differ) > 3 else ''}). Its weights file was changed or "
+            "damaged after the save. Resume from another checkpoint, or train into a new output_dir."
+        )
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._handle is not None:
