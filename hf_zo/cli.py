@@ -7,15 +7,27 @@ hf-zo inspect TRAJECTORY             # TRAJECTORY: a zo_trajectory.bin, a folder
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
+import huggingface_hub
 import torch
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.utils import logging
+from transformers.utils import CONFIG_NAME, logging
 
 from .peft_warnings import peft_warnings_ignored
 from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
@@ -23,6 +35,18 @@ from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
 from .trajectory.replay import initial_model
 
 logger = logging.get_logger(__name__)
+
+# What marks a folder as holding a run or a model: `hf-zo replay` refuses to save into one, which would overwrite it.
+RUN_OR_MODEL_FILES = (
+    TRAJECTORY_NAME,
+    "trainer_state.json",
+    CONFIG_NAME,
+    "adapter_config.json",
+    "tokenizer_config.json",
+    "*.safetensors",
+    "pytorch_model*.bin",
+    "adapter_model.*",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,26 +84,35 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser("inspect", help="Print a trajectory's header and step statistics.")
     show.add_argument("trajectory", help=f"A {TRAJECTORY_NAME}, a folder holding one, or a Hub repo id.")
     show.add_argument("--revision", help="Hub revision of TRAJECTORY.")
-    show.add_argument("--steps", type=int, default=3, help="Number of first steps to list (default 3).")
+    show.add_argument(
+        "--steps", type=_non_negative_int, default=3, help="Number of first steps to list (default 3; 0 lists none)."
+    )
     show.add_argument("--json", action="store_true", help="Print the JSON header only.")
     show.set_defaults(run=_inspect)
     return parser
+
+
+def _non_negative_int(value: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{number} is negative: give 0 (list no steps) or more.")
+    return number
 
 
 # ---------------------------------------------------------------------- replay
 
 
 def _replay(args: argparse.Namespace) -> int:
-    source = os.path.dirname(args.trajectory) if os.path.isfile(args.trajectory) else args.trajectory
-    if os.path.isdir(source) and os.path.realpath(source) == os.path.realpath(args.out):
-        raise ValueError(
-            f"OUT ({args.out}) is the folder the trajectory is read from: saving the replayed model there would "
-            "overwrite the trained run's files (its model card, its trajectory). Give a new folder."
-        )
-    if os.path.isabs(args.base) and not os.path.isdir(args.base):
-        raise ValueError(f"BASE {args.base} is not a folder: give the folder or Hub id the run started from.")
+    # Every check of the arguments runs before the base is loaded and replayed, the slow part.
+    _check_out(args.out, args.base, args.trajectory)
+    _check_base_name(args.base)
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
     device = _device(args.device, trajectory)
+    _check_base_on_hub(args.base, args.revision)
     # The adapter is added before the move, so that every tensor of it lands on the replay device.
     model = initial_model(_load_base(args.base, trajectory, args.revision), trajectory)
     model = replay(model.to(device), trajectory, verify=not args.no_verify, show_progress=True)
@@ -88,6 +121,94 @@ def _replay(args: argparse.Namespace) -> int:
     _copy_tokenizer(args.base, args.out, args.revision)
     print(f"Replayed {len(trajectory)} steps onto {args.base}; saved the fine-tuned model to {args.out}.")
     return 0
+
+
+def _check_out(out: str, base: str, trajectory: str) -> None:
+    """Refuse an OUT the replay cannot save into, or whose files saving there would overwrite: the folder the
+    trajectory is read from, BASE, a file, a folder holding a run or a model, one that cannot be created."""
+    source = os.path.dirname(os.path.abspath(trajectory)) if os.path.isfile(trajectory) else trajectory
+    if os.path.isdir(source) and os.path.realpath(source) == os.path.realpath(out):
+        raise ValueError(
+            f"OUT ({out}) is the folder the trajectory is read from: saving the replayed model there would "
+            "overwrite the trained run's files (its model card, its trajectory). Give a new folder."
+        )
+    if os.path.isdir(base) and os.path.realpath(base) == os.path.realpath(out):
+        raise ValueError(
+            f"OUT ({out}) is BASE: saving the replayed model there would overwrite the base model. Give a new or "
+            "empty folder."
+        )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(
+            f"OUT ({out}) is a file, not a folder: saving the replayed model would overwrite it. Give a new or "
+            "empty folder."
+        )
+    if os.path.isdir(out):
+        held = sorted(name for name in os.listdir(out) if any(fnmatch.fnmatch(name, p) for p in RUN_OR_MODEL_FILES))
+        if held:
+            listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise ValueError(
+                f"OUT ({out}) already holds a run or a model ({listed}): saving the replayed model there would "
+                "overwrite it. Give a new or empty folder."
+            )
+    nearest = os.path.abspath(out)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        raise ValueError(f"OUT ({out}) cannot be created: {nearest} is a file, not a folder. Give another folder.")
+    try:  # os.access is not enough: root may write anywhere by the mode bits, yet not into /proc or a read-only mount
+        with tempfile.TemporaryDirectory(prefix=".hf-zo-write-check-", dir=nearest):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"OUT ({out}) cannot be {'written' if nearest == os.path.abspath(out) else 'created'}: no folder can be "
+            f"made in {nearest} ({error.strerror or error}). Give a folder you can write to."
+        ) from None
+
+
+def _check_base_name(base: str) -> None:
+    """Refuse a BASE that is neither an existing folder nor shaped like a Hub id (as examples/train.py does with
+    --model_name_or_path: a path that is not a folder is an error, not a Hub lookup)."""
+    if os.path.isdir(base):
+        return
+    if os.path.exists(base) or os.path.isabs(base) or base.startswith(("./", "../")):
+        raise ValueError(f"BASE {base} is not a folder: give the folder or Hub id the run started from.")
+    try:
+        validate_repo_id(base)
+    except HFValidationError:
+        raise ValueError(
+            f"BASE {base} is neither an existing folder nor a valid Hub id: give the folder the run started from, "
+            "or its Hub id (org/model)."
+        ) from None
+
+
+def _check_base_on_hub(base: str, revision: str | None) -> None:
+    """Refuse a BASE that is not a local folder and whose Hub repository cannot be reached (offline and not cached,
+    missing, private): the loader's own errors would not name BASE. Fetches its config into the cache, as loading
+    would."""
+    if os.path.isdir(base):
+        return
+    fix = "give the folder the run started from"
+    try:
+        huggingface_hub.hf_hub_download(base, CONFIG_NAME, revision=revision)
+    except LocalEntryNotFoundError:  # offline, and not in the local cache (a subclass of EntryNotFoundError)
+        raise ValueError(
+            f"BASE {base} is neither an existing folder nor reachable on the Hub (offline, and not in the local "
+            f"cache): {fix}, or connect to the Hub."
+        ) from None
+    except RevisionNotFoundError:
+        raise ValueError(f"--revision {revision} is not a revision of BASE {base} on the Hub: {fix}.") from None
+    except RepositoryNotFoundError:  # gated repositories included
+        raise ValueError(
+            f"BASE {base} is neither an existing folder nor a Hub repository you can access: {fix}, or log in "
+            "(`hf auth login`, HF_TOKEN) for a private or gated one."
+        ) from None
+    except EntryNotFoundError:  # the repository exists but has no config: the loader says what it lacks
+        return
+    except HfHubHTTPError as error:
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"BASE {base} is not an existing folder, and the Hub failed to serve it ({reason})."
+        ) from None
 
 
 def _load_base(base: str, trajectory: ZOTrajectory, revision: str | None) -> torch.nn.Module:

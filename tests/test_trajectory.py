@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -526,6 +527,118 @@ def test_replay_onto_a_wrong_base_fails_clearly(tmp_path, capsys, user_path):
         assert cli_main(["replay", "--device", device, base, str(tmp_path / "run"), str(tmp_path / "out")]) == 2
         assert expected in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _files(folder):
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """A tiny full fine-tune: its base folder, and its run folder with checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("full-run")
+    base = tiny_causal_lm("opt")
+    base.save_pretrained(root / "base")
+    _train(copy.deepcopy(base), root / "run", max_steps=4, save_steps=2)
+    return root / "base", root / "run"
+
+
+def _refused_out(capsys, monkeypatch, base, trajectory, out):
+    """The one-line error of `hf-zo replay BASE TRAJECTORY OUT`, which must fail before the base is loaded."""
+
+    def load_base(*args):
+        raise AssertionError("the base was loaded before OUT was checked")
+
+    monkeypatch.setattr("hf_zo.cli._load_base", load_base)
+    capsys.readouterr()
+    assert cli_main(["replay", str(base), str(trajectory), str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"hf-zo replay: error: OUT ({out}) ") and error.count("\n") == 1, error
+    return error
+
+
+def test_replay_refuses_a_file_as_out(tmp_path, capsys, monkeypatch, full_run):
+    # save_pretrained only logs that OUT should be a directory; the trajectory would then be written over the file.
+    base, run = full_run
+    (tmp_path / "precious.txt").write_text("keep me")
+    error = _refused_out(capsys, monkeypatch, base, run, tmp_path / "precious.txt")
+    assert "is a file, not a folder" in error and "Give a new or empty folder" in error
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("out", ["run", "run/checkpoint-4", "base"])
+def test_replay_refuses_an_out_holding_a_run_or_model(capsys, monkeypatch, full_run, out):
+    # The run's final model and trajectory, or a later checkpoint (step-2 weights under step-4 trainer state would
+    # look valid and resume wrong), or the base itself: saving there would overwrite what the user saved.
+    base, run = full_run
+    out = base.parent / out
+    saved = {folder: _files(folder) for folder in (run, run / "checkpoint-2", run / "checkpoint-4", base)}
+    error = _refused_out(capsys, monkeypatch, base, run / "checkpoint-2", out)
+    expected = "is BASE" if out == base else "already holds a run or a model (config.json, model.safetensors"
+    assert expected in error and "Give a new or empty folder" in error, error
+    assert {folder: _files(folder) for folder in saved} == saved
+
+
+def test_replay_refuses_an_out_it_cannot_create(tmp_path, capsys, monkeypatch, full_run):
+    base, run = full_run
+    (tmp_path / "notes.txt").write_text("")
+    error = _refused_out(capsys, monkeypatch, base, run, tmp_path / "notes.txt" / "out")
+    assert f"cannot be created: {tmp_path / 'notes.txt'} is a file, not a folder" in error
+    if not Path("/proc").is_dir():
+        return
+    # As root, os.access allows writing into /proc; making a folder there fails.
+    error = _refused_out(capsys, monkeypatch, base, run, "/proc/hf-zo-out/model")
+    assert "cannot be created: no folder can be made in /proc (" in error
+    assert not Path("/proc/hf-zo-out").exists()
+
+
+def test_replay_saves_into_a_new_an_empty_or_an_unrelated_folder(tmp_path, capsys, full_run):
+    base, run = full_run
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    for out in (tmp_path / "new" / "out", tmp_path / "empty", tmp_path / "notes"):
+        assert cli_main(["replay", str(base), str(run), str(out)]) == 0, capsys.readouterr().err
+        assert (out / "model.safetensors").is_file() and (out / TRAJECTORY_NAME).is_file()
+    assert (tmp_path / "notes" / "notes.txt").read_text() == "mine"
+
+
+def test_replay_names_a_base_that_is_neither_a_folder_nor_on_the_hub(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    _small_trajectory(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    refusals = [
+        # Offline (the tests run with HF_HUB_OFFLINE=1) and not cached: the Hub lookup fails, BASE is named.
+        ("nonexist_rel", "BASE nonexist_rel is neither an existing folder nor reachable on the Hub"),
+        ("runs/x/base", "BASE runs/x/base is neither an existing folder nor a valid Hub id"),
+        ("./missing", "BASE ./missing is not a folder"),  # a path, as examples/train.py reads --model_name_or_path
+        ("model.safetensors", "BASE model.safetensors is not a folder"),
+    ]
+    for base, expected in refusals:
+        assert cli_main(["replay", base, "t.bin", "out"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"hf-zo replay: error: {expected}") and error.count("\n") == 1, error
+
+    # Online, a repository that does not exist (or is private) is named too.
+    def missing(repo_id, filename, **kwargs):
+        response = type("Response", (), {"headers": {}, "request": None})()
+        raise RepositoryNotFoundError(f"404 Client Error. Repository Not Found for {repo_id}", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
+    assert cli_main(["replay", "me/nonexist", "t.bin", "out"]) == 2
+    expected = "BASE me/nonexist is neither an existing folder nor a Hub repository you can access"
+    assert capsys.readouterr().err.startswith(f"hf-zo replay: error: {expected}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_refuses_a_negative_number_of_steps(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["inspect", "run", "--steps", "-1"])
+    assert exit_info.value.code == 2
+    assert "hf-zo inspect: error: argument --steps: -1 is negative" in capsys.readouterr().err
 
 
 def test_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
