@@ -51,6 +51,7 @@ from transformers import (
 from transformers.integrations import get_available_reporting_integrations
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
+from hf_zo.checkpoint import saved_run_files
 from hf_zo.metrics import build_compute_metrics
 from hf_zo.norm_tuning import norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
@@ -134,6 +135,13 @@ class ModelArguments:
     )
     torch_dtype: str = field(
         default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16"]}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that already holds a run or model, replacing it (without this flag "
+            "such a folder is refused unless --resume_from_checkpoint continues it)."
+        },
     )
 
     def __post_init__(self):
@@ -540,6 +548,9 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
             "Trainer.predict (or the model) on your data, as examples/README.md shows."
         )
 
+    if should_train(args):
+        check_output_dir(model_args, args)
+
     task_type = resolve_task_type(model_args, data)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     if tokenizer.pad_token is None:
@@ -611,6 +622,19 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
             card["dataset"] = data.task_name
         trainer.push_to_hub(**card)
     return trainer, metrics
+
+
+def check_output_dir(model_args: ModelArguments, args: ZOConfig) -> None:
+    """Refuse, before anything loads, to train into a folder that holds another run or model: its checkpoints would
+    be replaced or rotated away and its weights and trajectory overwritten."""
+    held = saved_run_files(args.output_dir)
+    if held and not args.resume_from_checkpoint and not model_args.overwrite_output_dir:
+        listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(
+            f"--output_dir {args.output_dir} already holds a run or model ({listed}); training there would replace "
+            "it. Continue it with --resume_from_checkpoint true, replace it with --overwrite_output_dir, or choose "
+            "a new folder."
+        )
 
 
 def should_train(args: ZOConfig) -> bool:

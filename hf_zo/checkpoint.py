@@ -10,6 +10,7 @@ is named instead of failing deep inside a loader or, worse, resuming another run
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ import torch
 from safetensors import safe_open
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import CONFIG_NAME
 
 from .trajectory.format import TRAJECTORY_NAME
 
@@ -115,3 +118,25 @@ def check_resumable(checkpoint: str | os.PathLike) -> None:
                 f"Checkpoint {folder} cannot be resumed: {path.name} is damaged or truncated "
                 f"({type(error).__name__}: {error}). {advice}"
             ) from error
+
+
+SAVED_RUN_PATTERNS = (
+    f"{PREFIX_CHECKPOINT_DIR}-*",
+    TRAJECTORY_NAME,
+    "trainer_state.json",
+    CONFIG_NAME,
+    "adapter_config.json",
+    "tokenizer_config.json",
+    "*.safetensors",
+    "pytorch_model*.bin",
+    "adapter_model.*",
+)
+"""Names that mark a folder as holding a saved run or model (checkpoints, weights, configs, a trajectory)."""
+
+
+def saved_run_files(folder: str | os.PathLike) -> list[str]:
+    """The entries of `folder` that belong to a saved run or model (:data:`SAVED_RUN_PATTERNS`), sorted; empty for
+    a missing folder or one that holds only other files (notes, data)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(name for name in os.listdir(folder) if any(fnmatch.fnmatch(name, p) for p in SAVED_RUN_PATTERNS))

@@ -7,7 +7,6 @@ hf-zo inspect TRAJECTORY             # TRAJECTORY: a zo_trajectory.bin, a folder
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import math
 import os
@@ -29,24 +28,13 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import CONFIG_NAME, logging
 
+from .checkpoint import saved_run_files
 from .peft_warnings import peft_warnings_ignored
 from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
 from .trajectory.replay import initial_model
 
 logger = logging.get_logger(__name__)
-
-# What marks a folder as holding a run or a model: `hf-zo replay` refuses to save into one, which would overwrite it.
-RUN_OR_MODEL_FILES = (
-    TRAJECTORY_NAME,
-    "trainer_state.json",
-    CONFIG_NAME,
-    "adapter_config.json",
-    "tokenizer_config.json",
-    "*.safetensors",
-    "pytorch_model*.bin",
-    "adapter_model.*",
-)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,7 +131,7 @@ def _check_out(out: str, base: str, trajectory: str) -> None:
             "empty folder."
         )
     if os.path.isdir(out):
-        held = sorted(name for name in os.listdir(out) if any(fnmatch.fnmatch(name, p) for p in RUN_OR_MODEL_FILES))
+        held = saved_run_files(out)
         if held:
             listed = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
             raise ValueError(

@@ -329,6 +329,11 @@ class ZOConfig(TrainingArguments):
 
     def _validate_zo_arguments(self) -> None:
         self._validate_zo_engine_arguments()
+        if self.output_dir is not None and os.path.isfile(self.output_dir):
+            raise ValueError(
+                f"output_dir {self.output_dir!r} is a file; checkpoints and the model are saved into a folder: give a "
+                "new or existing folder."
+            )
         if self.zo_eps is not None and not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
             raise ValueError(
                 f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix), and left unset it "

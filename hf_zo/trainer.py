@@ -361,6 +361,7 @@ class ZOTrainer(Trainer):
         if model_init is not None:
             self._reinit_model(trial)
         _check_trainable(self.model)
+        _check_output_dir_is_not_the_model(self.model, self.args.output_dir)
         self.zo_heads.close()
         if self.zo_heads in self.callback_handler.callbacks:
             self.remove_callback(self.zo_heads)
@@ -541,6 +542,18 @@ def _check_parallel_mode(args: TrainingArguments, world_size: int) -> None:
             f"{getattr(args.distributed_state, 'distributed_type', None)} with world size {args.world_size}, so "
             "evaluation, logging and saving would not be coordinated. On CPUs set ACCELERATE_USE_CPU=true (or "
             "use_cpu=True); with GPUs, give each process its own device."
+        )
+
+
+def _check_output_dir_is_not_the_model(model: torch.nn.Module, output_dir: str) -> None:
+    """Fail when training would save into the folder the model was loaded from: the pretrained weights would be
+    overwritten, and the run's trajectory could no longer be replayed onto them."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source = getattr(getattr(base, "config", None), "_name_or_path", None)
+    if source and os.path.isdir(source) and os.path.realpath(source) == os.path.realpath(output_dir):
+        raise ValueError(
+            f"output_dir {output_dir!r} is the folder the model was loaded from: saving there would overwrite the "
+            "pretrained weights the run starts from. Choose another output_dir."
         )
 
 

@@ -353,7 +353,7 @@ def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_
     with pytest.raises(
         ValueError, match=r"--task_name sst2 numbers its labels 0 to 1 .* holds \['negative', 'positive'\]"
     ):
-        run_example(workspace, tmp_path, *model, *files, "--task_name", "sst2")
+        run_example(workspace, tmp_path / "sst2", *model, *files, "--task_name", "sst2")
 
 
 def test_classifier_takes_prompt_tuning_and_refuses_prefix_tuning_with_the_fix(workspace, tmp_path):
@@ -373,7 +373,7 @@ def test_classifier_takes_prompt_tuning_and_refuses_prefix_tuning_with_the_fix(w
     with pytest.raises(
         ValueError, match=r"--peft prefix needs a classifier that takes past_key_values.*--peft prompt"
     ):
-        run_example(workspace, tmp_path, *flags, "--peft", "prefix")
+        run_example(workspace, tmp_path / "prefix", *flags, "--peft", "prefix")
 
 
 def test_empty_file_and_sizes_below_one_fail_naming_the_fix(workspace, tmp_path):
@@ -446,3 +446,33 @@ def test_config_file_with_flags_that_override_it(tmp_path):
     config.write_text("model_name_or_path: some/model\ntask_name: sst3\n")
     with pytest.raises(ValueError, match=r"sets task_name to 'sst3'; choose one of \['sst2'"):
         train_script.parse_arguments([str(config)])
+
+
+def test_an_output_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(workspace, tmp_path):
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    def digest(folder):
+        return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(folder).rglob("*") if p.is_file()}
+
+    flags = ["--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2"]
+    flags += ["--zo_head_init_max_samples", "16", "--train_file", str(workspace / "train.tsv")]
+    first, _ = run_example(workspace, tmp_path, *flags)
+    saved = digest(first.args.output_dir)
+    with pytest.raises(ValueError, match=r"already holds a run or model \(.*model.safetensors.*\); training there"):
+        run_example(workspace, tmp_path, *flags)
+    assert digest(first.args.output_dir) == saved
+    run_example(workspace, tmp_path, *flags, "--overwrite_output_dir")
+
+    # The folder the model comes from is refused by ZOTrainer itself, even when asked to overwrite.
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "bert", model)
+    flags[1] = str(model)
+    before = digest(model)
+    with pytest.raises(ValueError, match="is the folder the model was loaded from"):
+        run_example(workspace, tmp_path, *flags, "--output_dir", str(model), "--overwrite_output_dir")
+    assert digest(model) == before
+    with pytest.raises(ValueError, match=r"output_dir '.*notes.txt' is a file; checkpoints and the model are saved"):
+        (tmp_path / "notes.txt").write_text("mine")
+        run_example(workspace, tmp_path, *flags, "--output_dir", str(tmp_path / "notes.txt"))
