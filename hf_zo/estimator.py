@@ -178,4 +178,7 @@ def _as_float(loss: torch.Tensor | float) -> float:
         if loss.numel() != 1:
             raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")
         return float(loss.detach().item())
+    if not isinstance(loss, (int, float)):
+        hint = " (a model output: return its .loss)" if hasattr(loss, "logits") or hasattr(loss, "loss") else ""
+        raise TypeError(f"The loss closure must return a scalar tensor or a number, got {type(loss).__name__}{hint}.")
     return float(loss)

@@ -158,3 +158,46 @@ def test_noise_cache_is_bitwise_equal_to_regeneration(name):
         assert bool(optimizer.noise.cache_numel) == cache
         results.append(torch.cat([weight.detach(), bias.detach()]))
     assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("name", sorted(ZO_OPTIMIZERS))
+def test_frozen_parameters_are_left_alone_and_numbered_out(name):
+    """`model.parameters()` with frozen tensors among them trains what filtering them out first trains."""
+
+    def run(pass_frozen):
+        weight, bias, loss = _problem()
+        frozen = [torch.nn.Parameter(torch.ones(5), requires_grad=False) for _ in range(2)]
+        params = [frozen[0], weight, frozen[1], bias] if pass_frozen else [weight, bias]
+        optimizer = ZO_OPTIMIZERS[name](params, eps=1e-3, seed=1, **HYPER[name])
+        for _ in range(5):
+            optimizer.step(lambda: loss() + frozen[0].sum() + frozen[1].sum())
+        optimizer.flush()
+        assert all(torch.equal(f, torch.ones(5)) for f in frozen)
+        return weight.detach(), bias.detach()
+
+    with_frozen, filtered = run(pass_frozen=True), run(pass_frozen=False)
+    assert all(torch.equal(a, b) for a, b in zip(with_frozen, filtered))
+
+
+def test_saving_with_a_pending_update_is_refused():
+    weight, bias, loss = _problem()
+    optimizer = ZOSGD([weight, bias], lr=0.02, eps=1e-3)
+    optimizer.step(loss)
+    assert optimizer.params.has_pending()  # a fused update waits for the next forward's perturbation
+    with pytest.raises(RuntimeError, match="while an update is pending.*Call flush\\(\\) first"):
+        optimizer.state_dict()
+    optimizer.flush()
+    assert optimizer.state_dict()["zo"]["step"] == 1
+
+
+def test_a_step_with_nothing_to_apply_warns_once_and_a_model_output_is_named(caplog):
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    weight, bias, loss = _problem()
+    optimizer = ZOSGD([weight, bias], lr=0.02, eps=1e-3)
+    with caplog.at_level("WARNING"):
+        optimizer.step()
+        optimizer.step()
+    assert caplog.text.count("was called without a closure and with no estimate since the last step") == 1
+    with pytest.raises(TypeError, match="got SequenceClassifierOutput \\(a model output: return its .loss\\)"):
+        optimizer.step(lambda: SequenceClassifierOutput(loss=loss(), logits=weight))

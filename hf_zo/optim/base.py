@@ -44,7 +44,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         params (`Iterable`):
             Parameters or parameter groups, as for any `torch.optim.Optimizer`. A group may carry `"indices"`: the
             stable index of each of its parameters among the model's trainable parameters, which keys the noise
-            (DESIGN invariant 1). Without it, parameters are numbered in the order given.
+            (DESIGN invariant 1). Without it, the trainable parameters are numbered in the order given. Tensors with
+            `requires_grad=False` are never perturbed or updated, as `torch.optim` never updates a tensor without a
+            gradient, so `model.parameters()` and the list of its trainable tensors train the same.
         lr (`float`): learning rate.
         eps (`float`, defaults to 1e-3): perturbation scale of the two-point estimate.
         weight_decay (`float`, defaults to 0.0): decoupled weight decay, ``p <- (1 - lr * wd) * p``.
@@ -121,6 +123,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.records: list[ZORecord] = []
         self._num_estimates = 0
         self._last_closure: Closure | None = None
+        self._warned_empty_step = False
         self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
         # Set by hf_zo.parallel on a (dp, pertp) mesh: splits the estimates over ranks and gathers their records.
         self.parallel = None
@@ -141,15 +144,21 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         tensors, self._group_of = [], []
         next_index = 0
         for group_id, group in enumerate(self.param_groups):
-            indices = group.get("indices") or list(range(next_index, next_index + len(group["params"])))
-            if len(indices) != len(group["params"]):
-                raise ValueError(
-                    f"Parameter group {group_id} has {len(group['params'])} params but {len(indices)} indices."
-                )
-            next_index += len(group["params"])
-            for index, param in zip(indices, group["params"]):
-                tensors.append((int(index), param))
-                self._group_of.append(group_id)
+            params = group["params"]
+            if "indices" in group:
+                if len(group["indices"]) != len(params):
+                    raise ValueError(
+                        f"Parameter group {group_id} has {len(params)} params but {len(group['indices'])} indices."
+                    )
+                indexed = zip(group["indices"], params)
+            else:  # numbered as if only the trainable tensors had been passed
+                trainable = [p for p in params if p.requires_grad]
+                indexed = zip(range(next_index, next_index + len(trainable)), trainable)
+                next_index += len(trainable)
+            for index, param in indexed:
+                if param.requires_grad:  # a frozen tensor is left alone, as torch.optim leaves one without a grad
+                    tensors.append((int(index), param))
+                    self._group_of.append(group_id)
         if not tensors:
             raise ValueError("The optimizer got no parameters: check that some have requires_grad=True.")
         self.params = LazyParameters(tensors, self.noise)
@@ -157,12 +166,12 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in tensors)
         if exact_restore is None:
             exact_restore = low_precision and sum(p.numel() for _, p in tensors) <= AUTO_CACHE_MAX_NUMEL
-        if low_precision and not exact_restore:
+        if low_precision and not exact_restore and self._exact_restore is None:  # not an explicit choice
             logger.warning(
                 "Trainable fp16/bf16 weights are restored by subtracting the noise, which drifts them by about 0.1 "
                 "ulp per step (see benchmarks/precision_drift.py). Keep fp32 weights and train with bf16=True "
-                "(autocast), or set zo_exact_restore=True (memory: one copy of the trainable weights; with "
-                "zo_engine='dual', one block)."
+                "(autocast), or set zo_exact_restore=True in ZOConfig (exact_restore=True for an optimizer built by "
+                "hand; memory: one copy of the trainable weights; with zo_engine='dual', one block)."
             )
         self.estimator = SPSAEstimator(
             self.params, self.eps, exact_restore=exact_restore, center_loss=self.needs_center_loss
@@ -250,6 +259,14 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """
         if closure is not None:
             self.estimate(closure)
+        elif self._num_estimates == 0 and not self._warned_empty_step:
+            self._warned_empty_step = True
+            logger.warning(
+                "%s.step() was called without a closure and with no estimate since the last step, so it updates "
+                "nothing (a ZO step takes no gradients from loss.backward()). Pass the loss closure, "
+                "optimizer.step(closure), or call optimizer.estimate(closure) for each micro-batch first.",
+                type(self).__name__,
+            )
         records, self.records = self.records, []
         if self.parallel is not None:
             records = self.parallel.gather_records(self, records)
@@ -298,6 +315,12 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """The `torch.optim` state plus the ZO counters (base seed, step, skips) needed for exact resume."""
         if self.records:
             raise RuntimeError("Cannot save the optimizer in the middle of an accumulation; call step() first.")
+        if self.params.has_pending():
+            raise RuntimeError(
+                "Cannot save the optimizer while an update is pending: the weights do not hold it yet, so a run "
+                "resumed from this state and those weights would differ. Call flush() first, then save the model and "
+                "the optimizer."
+            )
         state = super().state_dict()
         state["zo"] = {
             "optimizer": type(self).__name__,
