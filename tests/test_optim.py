@@ -201,3 +201,16 @@ def test_a_step_with_nothing_to_apply_warns_once_and_a_model_output_is_named(cap
     assert caplog.text.count("was called without a closure and with no estimate since the last step") == 1
     with pytest.raises(TypeError, match="got SequenceClassifierOutput \\(a model output: return its .loss\\)"):
         optimizer.step(lambda: SequenceClassifierOutput(loss=loss(), logits=weight))
+
+
+def test_adding_a_group_under_an_update_hook_is_refused_before_any_step():
+    weight, bias, loss = _problem()
+    optimizer = ZOSGD([weight], lr=0.02, eps=1e-3)
+    handle = optimizer.register_update_hook(lambda *args: None)
+    with pytest.raises(RuntimeError, match="while an update hook .* is attached"):
+        optimizer.add_param_group({"params": [bias]})
+    handle.remove()
+    optimizer.add_param_group({"params": [bias]})
+    optimizer.step(loss)
+    optimizer.flush()
+    assert optimizer.zo_step == 1 and not torch.equal(bias, torch.zeros(3))

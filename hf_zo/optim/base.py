@@ -181,6 +181,11 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """Add a parameter group (see `torch.optim.Optimizer.add_param_group`)."""
         if getattr(self, "params", None) is not None and self.params.has_pending():
             raise RuntimeError("Cannot add a parameter group while an update is pending; call flush() first.")
+        if getattr(self, "_update_hooks", None):
+            raise RuntimeError(
+                "Cannot add a parameter group while an update hook (e.g. a ZOTrajectory's recorder) is attached: it "
+                "records the groups it was attached with. Add the group before attaching, or remove the hook first."
+            )
         super().add_param_group(param_group)
         if getattr(self, "params", None) is not None:
             self._build_parameters()
