@@ -144,8 +144,7 @@ def _check_out(out: str, base: str, trajectory: str) -> None:
     if not os.path.isdir(nearest):
         raise ValueError(f"OUT ({out}) cannot be created: {nearest} is a file, not a folder. Give another folder.")
     try:  # os.access is not enough: root may write anywhere by the mode bits, yet not into /proc or a read-only mount
-        with tempfile.TemporaryDirectory(prefix=".hf-zo-write-check-", dir=nearest):
-            pass
+        os.rmdir(tempfile.mkdtemp(prefix=".hf-zo-write-check-", dir=nearest))
     except OSError as error:
         raise ValueError(
             f"OUT ({out}) cannot be {'written' if nearest == os.path.abspath(out) else 'created'}: no folder can be "
