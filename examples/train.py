@@ -119,8 +119,8 @@ class ModelArguments:
     peft: str | None = field(
         default=None,
         metadata={
-            "help": "PEFT method (default: full fine-tuning); ln_tuning: the normalisation layers only.",
-            "choices": ["lora", "ln_tuning", "prefix", "prompt"],
+            "help": "PEFT method (default, or none: full fine-tuning); ln_tuning: the normalisation layers only.",
+            "choices": ["none", "lora", "ln_tuning", "prefix", "prompt"],
         },
     )
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
@@ -145,6 +145,8 @@ class ModelArguments:
     )
 
     def __post_init__(self):
+        if self.peft == "none":  # so that a config file's method can be switched off from the command line
+            self.peft = None
         path = self.model_name_or_path
         if (os.path.isabs(path) or path.startswith(("./", "../"))) and not os.path.isdir(path):
             raise ValueError(f"--model_name_or_path {path} is not a folder: give a saved model's folder or a Hub id.")

@@ -434,6 +434,9 @@ def test_config_file_with_flags_that_override_it(tmp_path):
     model_args, data, args = train_script.parse_arguments([str(config), "--max_steps", "7", "--use_cpu"])
     assert model_args.model_name_or_path == "some/model" and data.task_name == "sst2"
     assert args.learning_rate == 1e-3 and args.max_steps == 7 and args.remove_unused_columns is False
+    assert model_args.peft == "ln_tuning"
+    # The file's PEFT method switched off from the command line: full fine-tuning.
+    assert train_script.parse_arguments([str(config), "--peft", "none", "--use_cpu"])[0].peft is None
 
     as_json = tmp_path / "config.json"
     as_json.write_text(json.dumps({"model_name_or_path": "some/model", "output_dir": str(tmp_path / "out")}))
