@@ -38,6 +38,7 @@ from transformers import AutoTokenizer
 
 from hf_zo import load_sequence_classifier
 from hf_zo.heads import cross_validated_l2, fit_logistic_regression
+from hf_zo.length_grouping import ZOLengthGroupedSampler
 
 MODES = ("shared", "per_example")
 
@@ -155,12 +156,8 @@ def main() -> None:
 
     noise = PerExampleNoise(model.encoder)
     initial = {name: t.clone() for name, t in model.state_dict().items()}
-    # Random batches of similar lengths (sorted within groups of 50 batches).
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    group = 50 * args.batch_size
-    order = [
-        i for g in range(0, len(order), group) for i in sorted(order[g : g + group], key=lambda i: len(encoded[i]))
-    ]
+    # Batches of similar lengths in ZOTrainer's order (groups of 50 batches sorted by length).
+    order = list(ZOLengthGroupedSampler([len(ids) for ids in encoded], args.batch_size, args.seed))
     results = []
     for mode, lr in args.runs:
         model.load_state_dict(initial)
@@ -199,6 +196,7 @@ def main() -> None:
         result = {
             "mode": mode,
             "learning_rate": lr,
+            "seed": args.seed,
             "eps": args.eps,
             "zo_parameters": sum(p.numel() for p in noise.parameters()),
             "probe_examples": args.probe_examples,
