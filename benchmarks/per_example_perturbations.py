@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from hf_zo import load_sequence_classifier
-from hf_zo.heads import cross_validated_l2, fit_logistic_regression
+from hf_zo.heads import fit_linear_probe
 from hf_zo.length_grouping import ZOLengthGroupedSampler
 
 MODES = ("shared", "per_example")
@@ -142,16 +142,15 @@ def main() -> None:
         return float((logits.argmax(-1) == labels).float().mean()), float(F.cross_entropy(logits, labels))
 
     start = time.perf_counter()
-    features = []
+    probe_batches = (
+        {**inputs, "labels": labels}
+        for inputs, labels in (
+            batch_of(list(range(first, min(first + 256, args.probe_examples))))
+            for first in range(0, args.probe_examples, 256)
+        )
+    )
     with torch.no_grad():
-        for first in range(0, args.probe_examples, 256):
-            model(**batch_of(list(range(first, min(first + 256, args.probe_examples))))[0])
-            features.append(captured["features"])
-    features, probe_labels = torch.cat(features), train_labels[: args.probe_examples]
-    l2 = cross_validated_l2(features, probe_labels, 2)
-    weight, bias = fit_logistic_regression(features, probe_labels, 2, l2=l2)
-    model.classifier.weight.data.copy_(weight)
-    model.classifier.bias.data.copy_(bias)
+        probe_accuracy = fit_linear_probe(model, model.classifier, probe_batches)
     probe_seconds = time.perf_counter() - start
 
     noise = PerExampleNoise(model.encoder)
@@ -200,7 +199,7 @@ def main() -> None:
             "eps": args.eps,
             "zo_parameters": sum(p.numel() for p in noise.parameters()),
             "probe_examples": args.probe_examples,
-            "probe_l2": l2,
+            "probe_train_accuracy": probe_accuracy,
             "probe_seconds": round(probe_seconds, 1),
             "curve": curve,
         }
