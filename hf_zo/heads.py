@@ -609,7 +609,9 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
         name, head = list(heads.items())[-1]  # the module that produces the logits
         max_samples = args.zo_head_init_max_samples
         examples = probe_examples(trainer.train_dataset, max_samples, args.seed)
-        batches = trainer.get_eval_dataloader(examples)  # sharded over the processes, if several
+        # Sharded over the processes like evaluation, but not cached: `get_eval_dataloader` would store this loader
+        # as the one `evaluate()` reuses when `dataloader_persistent_workers` is set (or hand the probe that one).
+        batches = trainer.get_test_dataloader(examples)
         gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
         total = None
         with contextlib.suppress(TypeError):  # a DataLoader over an IterableDataset has no length

@@ -222,6 +222,43 @@ def test_linear_probe_of_a_trainer_samples_a_set_grouped_by_label():
     assert (predictions == torch.tensor(grouped["label"])).float().mean() > 0.8
 
 
+def test_linear_probe_and_evaluation_keep_their_own_data_with_persistent_workers(monkeypatch):
+    """With `dataloader_persistent_workers`, Trainer caches the evaluation loader: the probe must neither be fitted on
+    that cached loader (evaluation data) nor leave its own loader there for `evaluate()` to reuse."""
+    import hf_zo.heads
+
+    probed = []
+
+    def recording_probe(model, head, batches, **kwargs):
+        rows = list(batches)
+        probed.append(sum(len(batch["labels"]) for batch in rows))
+        return fit_linear_probe(model, head, rows, **kwargs)
+
+    monkeypatch.setattr(hf_zo.heads, "fit_linear_probe", recording_probe)
+    train, evaluation = classification_dataset(40, seed=1), classification_dataset(7, seed=2)
+    trainer = ZOTrainer(
+        model=tiny_bert_classifier(),
+        args=ZOConfig(
+            output_dir="unused",
+            max_steps=1,
+            per_device_eval_batch_size=4,
+            dataloader_num_workers=1,
+            dataloader_persistent_workers=True,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        ),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    trainer.evaluate()  # caches the evaluation loader before the probe runs
+    trainer.train()
+
+    assert probed == [40]
+    assert len(trainer.get_eval_dataloader().dataset) == 7
+
+
 def test_first_order_head_gets_exact_gradients_and_body_none():
     model = tiny_bert_classifier().eval()
     batch = next(batches_of(classification_dataset(8)))
