@@ -32,7 +32,7 @@ from .checkpoint import saved_run_files
 from .peft_warnings import peft_warnings_ignored
 from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
-from .trajectory.replay import initial_model
+from .trajectory.replay import check_replayable, initial_model
 
 logger = logging.get_logger(__name__)
 
@@ -99,6 +99,7 @@ def _replay(args: argparse.Namespace) -> int:
     _check_out(args.out, args.base, args.trajectory)
     _check_base_name(args.base)
     trajectory = ZOTrajectory.from_pretrained(args.trajectory, revision=args.trajectory_revision)
+    check_replayable(trajectory)
     device = _device(args.device, trajectory)
     _check_base_on_hub(args.base, args.revision)
     # The adapter is added before the move, so that every tensor of it lands on the replay device.

@@ -246,6 +246,25 @@ def test_conservative_optimizer_is_refused_with_reason():
         replay(base, trajectory)
 
 
+def test_cli_refuses_an_unreplayable_trajectory_before_loading_the_base(tmp_path, capsys, monkeypatch):
+    import hf_zo.cli
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = ZOSGDConservative(model.parameters(), lr=0.1)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    optimizer.step(lambda: model.weight.square().sum())
+    trajectory.save(tmp_path / "run")
+    (tmp_path / "base").mkdir()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the base model was loaded")
+
+    monkeypatch.setattr(hf_zo.cli, "_load_base", no_loading)
+    assert cli_main(["replay", str(tmp_path / "base"), str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "cannot be replayed: its optimizer zo_sgd_cons" in capsys.readouterr().err
+
+
 def test_size_of_10000_steps(tmp_path):
     model = torch.nn.Linear(4, 2)
     trajectory = ZOTrajectory.start(model, ZOSGD(model.parameters(), lr=1e-3))

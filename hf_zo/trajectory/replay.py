@@ -18,6 +18,14 @@ from .format import TrajectoryMismatchError, ZOTrajectory, from_json, optimizer_
 logger = logging.get_logger(__name__)
 
 
+def check_replayable(trajectory: ZOTrajectory) -> None:
+    """Raise a `ValueError` saying why :func:`replay` cannot rebuild `trajectory`'s run, if it cannot (before a
+    caller loads a base model for nothing)."""
+    reason = trajectory.replayable()
+    if reason is not None:
+        raise ValueError(f"This trajectory cannot be replayed: {reason}.")
+
+
 def replay(
     model: torch.nn.Module,
     trajectory: ZOTrajectory | str | os.PathLike,
@@ -55,9 +63,7 @@ def replay(
     """
     if not isinstance(trajectory, ZOTrajectory):
         trajectory = ZOTrajectory.load(trajectory)
-    reason = trajectory.replayable()
-    if reason is not None:
-        raise ValueError(f"This trajectory cannot be replayed: {reason}.")
+    check_replayable(trajectory)
     model = initial_model(model, trajectory)
     if verify:
         trajectory.verify(model, "start")
