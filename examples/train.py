@@ -198,15 +198,18 @@ def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
     """Load the train/validation splits from local files or the Hub and sample `num_train` / `num_eval`."""
     if data.train_file or data.validation_file:
         files = {s: f for s, f in (("train", data.train_file), ("validation", data.validation_file)) if f}
-        extensions = {os.path.splitext(f)[1].lower() for f in files.values()}
-        if len(extensions) != 1 or extensions - {".csv", ".tsv", ".json", ".jsonl"}:
-            raise ValueError(f"Local files must all be .csv, .tsv, .json or .jsonl, got {sorted(files.values())}.")
+        # .json and .jsonl are one format to the `json` loader (JSON Lines or one JSON document per file)
+        extensions = {os.path.splitext(f)[1].lower().replace(".jsonl", ".json") for f in files.values()}
+        if len(extensions) != 1 or extensions - {".csv", ".tsv", ".json"}:
+            raise ValueError(
+                f"Local files must all be .csv, all .tsv or all .json/.jsonl, got {sorted(files.values())}."
+            )
         extension = extensions.pop()
         try:
             if extension == ".tsv":
                 raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=csv.QUOTE_NONE)
             else:
-                raw = load_dataset("json" if extension in (".json", ".jsonl") else "csv", data_files=files)
+                raw = load_dataset("json" if extension == ".json" else "csv", data_files=files)
         except DatasetGenerationError as error:  # the reason is in its cause; the message only says it failed
             raise ValueError(
                 f"Could not read {sorted(files.values())}: {str(error.__cause__ or error).rstrip('.')}. Each file "
@@ -233,20 +236,37 @@ def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
 
 
 def number_text_labels(raw: DatasetDict, data: DataArguments) -> tuple[DatasetDict, list[str] | None]:
-    """Labels written as text (`positive`, `negative`) numbered in sorted order over every split, as transformers'
-    `run_glue.py` numbers a local file's labels; integer labels are left as they are.
+    """Labels numbered 0 to n - 1 in sorted order over every split, as transformers' `run_glue.py` numbers a local
+    file's labels: text labels (`positive`, `negative`), and integer labels that are not 0 to n - 1 already (star
+    ratings 1 to 5 become 0 to 4, named "1" to "5"); integer labels 0 to n - 1 are left as they are.
 
     Returns:
         `tuple[DatasetDict, list[str] | None]`: the data with integer labels, and the label names (`None` when the
-        labels were integers already).
+        labels were 0 to n - 1 already).
     """
     column = data.label_column
     labelled = [d for d in raw.values() if column in d.column_names]
+    task = TASKS[data.task_name] if data.task_name is not None else None
     if all(getattr(d.features[column], "dtype", "").startswith(("int", "uint")) for d in labelled):  # or ClassLabel
-        return raw, None
+        if not labelled or any(isinstance(d.features[column], ClassLabel) for d in labelled):
+            return raw, None  # a Hub dataset's ClassLabel has numbered its labels already
+        values = sorted({int(label) for d in labelled for label in d.unique(column)})
+        if task is not None:
+            if values and (values[0] < 0 or values[-1] >= len(task.label_words)):
+                raise ValueError(
+                    f"--task_name {data.task_name} numbers its labels 0 to {len(task.label_words) - 1} (label words "
+                    f"{list(task.label_words)}), but the '{column}' column holds {values[:5]}: write the labels as "
+                    "those integers, or leave out --task_name to have the labels numbered in sorted order."
+                )
+            return raw, None
+        if values == list(range(len(values))):
+            return raw, None
+        index = {value: i for i, value in enumerate(values)}
+        names = [str(value) for value in values]
+        raw = raw.map(lambda batch: {column: [index[int(v)] for v in batch[column]]}, batched=True)
+        return raw.cast_column(column, ClassLabel(names=names)), names
     names = sorted({str(label) for d in labelled for label in d.unique(column)})
-    if data.task_name is not None:
-        task = TASKS[data.task_name]
+    if task is not None:
         raise ValueError(
             f"--task_name {data.task_name} numbers its labels 0 to {len(task.label_words) - 1} (label words "
             f"{list(task.label_words)}), but the '{column}' column holds {names[:5]}: write the labels as those "

@@ -356,6 +356,22 @@ def test_text_labels_are_numbered_in_sorted_order_without_a_task(workspace, tmp_
         run_example(workspace, tmp_path / "sst2", *model, *files, "--task_name", "sst2")
 
 
+def test_integer_labels_not_from_zero_are_numbered_like_text_labels(workspace, tmp_path):
+    """Star ratings 1 and 2 become classes 0 and 1 named "1" and "2" (as `run_glue.py` numbers them), instead of a
+    head with too few outputs; and a .jsonl training file goes with a .json validation file."""
+    rows = [{"sentence": r["sentence"], "label": r["label"] + 1} for r in sentences(16, seed=3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "validation.json").write_text(json.dumps(rows))
+    files = ["--train_file", str(tmp_path / "train.jsonl"), "--validation_file", str(tmp_path / "validation.json")]
+    model = ["--model_name_or_path", str(workspace / "bert"), "--zo_head_init_max_samples", "16"]
+    trainer, metrics = run_example(workspace, tmp_path, *model, *files, "--task_type", "classification")
+    assert trainer.model.config.id2label == {0: "1", 1: "2"}
+    assert trainer.eval_dataset["label"] == [r["label"] - 1 for r in rows]
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    with pytest.raises(ValueError, match=r"--task_name sst2 numbers its labels 0 to 1 .* holds \[1, 2\]"):
+        run_example(workspace, tmp_path / "sst2", *model, *files, "--task_name", "sst2")
+
+
 def test_classifier_takes_prompt_tuning_and_refuses_prefix_tuning_with_the_fix(workspace, tmp_path):
     flags = [
         "--model_name_or_path",
