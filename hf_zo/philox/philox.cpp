@@ -24,7 +24,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -175,7 +178,10 @@ Simd detect_simd() {
 }
 
 // Resolved on first use, so that a bad HF_ZO_PHILOX_SIMD raises a Python error from the call instead of aborting
-// the import.
+// the import. Every entry point (fill, apply, simd) calls it first, on the calling thread: once it has returned, the
+// noise loops' own calls only read the resolved level and cannot throw. An exception thrown from inside those loops
+// is not always catchable (GCC compiles some of their frames as non-throwing, so unwinding through them calls
+// std::terminate), and one thrown in a worker std::thread would terminate the process anyway.
 Simd simd_level() {
   static const Simd level = detect_simd();
   return level;
@@ -569,6 +575,7 @@ void check_vector(const at::Tensor& tensor, const char* name) {
 
 // out <- noise elements [start, start + out.numel()) of parameter `index` for `seed`. Runs on the calling thread.
 void fill(at::Tensor out, int64_t seed, int64_t index, int64_t start, bool gaussian) {
+  simd_level();  // a bad HF_ZO_PHILOX_SIMD raises here, before the noise loops (see simd_level)
   check_vector(out, "out");
   TORCH_CHECK(start >= 0, "start must be >= 0, got ", start);
   fill_range(out.data_ptr<float>(), static_cast<uint64_t>(seed), static_cast<uint64_t>(index), start,
@@ -580,6 +587,7 @@ void fill(at::Tensor out, int64_t seed, int64_t index, int64_t start, bool gauss
 void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& indices,
            const std::vector<double>& decays, const std::vector<std::vector<int64_t>>& seeds,
            const std::vector<std::vector<double>>& coeffs, bool gaussian) {
+  simd_level();  // a bad HF_ZO_PHILOX_SIMD raises here, on the calling thread, before any worker starts
   const size_t count = tensors.size();
   TORCH_CHECK(indices.size() == count && decays.size() == count && seeds.size() == count && coeffs.size() == count,
               "apply needs one index, decay, seed list and coefficient list per tensor");
@@ -604,19 +612,37 @@ void apply(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& i
   for (size_t t = 0; t < count; ++t) data[t] = tensors[t].data_ptr<float>();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  auto work = [&] {
-    for (int64_t i = next++; i < num_items; i = next++) {
-      const Item& item = items[i];
-      apply_range(data[item.tensor] + item.start, static_cast<uint64_t>(indices[item.tensor]), item.start, item.stop,
-                  static_cast<float>(decays[item.tensor]), seeds[item.tensor].data(),
-                  float_coeffs[item.tensor].data(), static_cast<int64_t>(seeds[item.tensor].size()), gaussian);
+  // An exception must never leave a worker (std::terminate would abort the Python process): the first one is kept,
+  // the remaining items are skipped, and it is rethrown on the calling thread once every worker has joined.
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&]() noexcept {
+    try {
+      for (int64_t i = next++; i < num_items; i = next++) {
+        const Item& item = items[i];
+        apply_range(data[item.tensor] + item.start, static_cast<uint64_t>(indices[item.tensor]), item.start,
+                    item.stop, static_cast<float>(decays[item.tensor]), seeds[item.tensor].data(),
+                    float_coeffs[item.tensor].data(), static_cast<int64_t>(seeds[item.tensor].size()), gaussian);
+      }
+    } catch (...) {
+      next = num_items;
+      const std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
     }
   };
   const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < num_threads; ++t) helpers.emplace_back(work);
+  helpers.reserve(static_cast<size_t>(num_threads - 1));
+  for (int64_t t = 1; t < num_threads; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the ones running (and this one) take the remaining items
+    }
+  }
   work();
   for (std::thread& helper : helpers) helper.join();
+  if (error) std::rethrow_exception(error);
 }
 
 // Which code computes the noise on this CPU: "avx512", "avx2" or "portable".
