@@ -184,6 +184,36 @@ def test_plain_forward_streams_blocks_and_matches_resident(tmp_path):
     assert block_param.untyped_storage().nbytes() == block_param.nbytes  # at rest: its own file-backed map
 
 
+@pytest.mark.parametrize("convert", ["to_bf16", "half"])
+def test_converting_the_dtype_of_offloaded_blocks_is_a_clear_error(tmp_path, convert):
+    """`model.to(torch.bfloat16)` (what Trainer.evaluate does with bf16_full_eval) cannot reach parameters that live
+    in storage: refused with the cause and the fixes, instead of a forward failing on mixed dtypes."""
+    model = tiny_causal_lm("opt").eval()
+    offload_model(model, "cpu", device="cpu")
+    with pytest.raises(RuntimeError, match=r"from torch.float32 to torch.(bfloat16|float16).*bf16_full_eval=True"):
+        model.to(dtype=torch.bfloat16) if convert == "to_bf16" else model.half()
+    assert {p.dtype for block in find_blocks(model) for p in block.parameters()} == {torch.float32}
+
+
+def test_conversions_that_keep_the_blocks_dtype_still_apply(tmp_path):
+    """Moves and same-dtype conversions (`Trainer` placing the model, `.float()`) pass through the blocks as before:
+    their buffers follow, their parameters stay in storage, and the forward is unchanged."""
+    model = tiny_causal_lm("gpt2").eval()
+    resident = tiny_causal_lm("gpt2").eval()
+    offload_model(model, "cpu", device="cpu")
+    model = model.to("cpu").float().to(dtype=torch.float32)
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, resident(input_ids=ids).logits)
+
+
+def test_trainer_evaluate_with_bf16_full_eval_names_the_flag(tmp_path):
+    args = _args(tmp_path, zo_engine="dual", zo_offload="cpu", bf16_full_eval=True)
+    trainer = ZOTrainer(model=_model(False), args=args, train_dataset=lm_dataset(4), eval_dataset=lm_dataset(4))
+    with pytest.raises(RuntimeError, match=r"drop the flag \(bf16=True evaluates under bf16 autocast instead\)"):
+        trainer.evaluate()
+
+
 def test_offload_config_errors():
     with pytest.raises(ValueError, match="zo_offload='disk' needs zo_engine='dual'"):
         ZOConfig(output_dir="x", zo_offload="disk")

@@ -27,8 +27,9 @@ class BlockOffloader:
     """Blocks streamed between a storage tier and the working device, with prefetch and write-back.
 
     Construction moves every parameter of `blocks` into `storage` and points the parameters at their at-rest views
-    (freeing the original memory); the blocks then ignore `.to()`/`.half()` for their parameters, whose placement
-    the offloader owns. Everything else in the model stays where it is (the resident modules).
+    (freeing the original memory); the blocks then ignore `.to(device)` for their parameters, whose placement the
+    offloader owns, and refuse a conversion that would change their dtype (`.to(torch.bfloat16)`, `.half()`) with a
+    `RuntimeError`. Everything else in the model stays where it is (the resident modules).
 
     Args:
         blocks (`Sequence[nn.Module]`): the blocks, in execution order (see `hf_zo.engine.find_blocks`).
@@ -99,7 +100,7 @@ class BlockOffloader:
             for name, buffer in buffer_owner.named_buffers(recurse=False):
                 if buffer is not None:
                     buffer_owner._buffers[name] = buffer.to(self.device)
-        block._apply = _buffers_only_apply(block)
+        block._apply = _buffers_only_apply(block, self._dtypes[b])
 
     def _hook_block(self, b: int, block: nn.Module) -> list:
         def pre_hook(module, args):
@@ -180,10 +181,20 @@ def offload_blocks(
     return BlockOffloader(blocks, build_storage(tier, directory), device, prefetch, offload_dtype, transport)
 
 
-def _buffers_only_apply(block: nn.Module):
-    """An `_apply` for `block` that converts its buffers but leaves its (offloaded) parameters alone."""
+def _buffers_only_apply(block: nn.Module, dtypes: Sequence[torch.dtype]):
+    """An `_apply` for `block` that converts its buffers but leaves its (offloaded) parameters alone.
+
+    A conversion that would change the dtype of those parameters (``model.to(torch.bfloat16)``, ``.half()``) is
+    refused with a `RuntimeError`: the parameters would keep their dtype in storage while everything else changed,
+    and the forward would then fail on mixed dtypes. `dtypes` are the dtypes the parameters compute in.
+    """
 
     def _apply(fn, recurse=True):
+        # The probes are empty tensors, so this costs nothing even for a conversion that moves them to a GPU.
+        for dtype in dict.fromkeys(dtypes):
+            converted = fn(torch.empty(0, dtype=dtype)).dtype
+            if converted != dtype:
+                raise RuntimeError(_dtype_change_message(type(block).__name__, dtype, converted))
         for module in block.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None:
@@ -191,6 +202,18 @@ def _buffers_only_apply(block: nn.Module):
         return block
 
     return _apply
+
+
+def _dtype_change_message(block: str, dtype: torch.dtype, converted: torch.dtype) -> str:
+    return (
+        f"Cannot convert a model with offloaded blocks from {dtype} to {converted}: the parameters of its {block} "
+        f"blocks live in zo_offload storage as {dtype} and are not converted there, so converting only the other "
+        "modules would make the forward fail on mixed dtypes. Trainer.evaluate/predict make this conversion with "
+        "bf16_full_eval=True or fp16_full_eval=True: drop the flag (bf16=True evaluates under bf16 autocast "
+        "instead), load the model in the dtype you want (torch_dtype=...) before it is offloaded, or set "
+        "zo_offload=None. Modules visited before the first block may already have been converted: reload the model "
+        "before using it further."
+    )
 
 
 def _return_freed_memory() -> None:
