@@ -4,8 +4,8 @@
 after syncing it to disk. A process killed at any moment leaves either the previous checkpoints untouched and a
 stale staging folder (ignored by `get_last_checkpoint`, cleared by the next save), or the new checkpoint complete.
 Final saves of the model replace files one by one with atomic renames, so no file is ever half-written.
-Before a run resumes, :func:`check_resumable` reads every file of the checkpoint, so that a damaged or missing one
-is named instead of failing deep inside a loader or, worse, resuming another run.
+Before a run resumes, :func:`check_resumable` reads every file of the checkpoint that resuming loads, so that a
+damaged or missing one is named instead of failing deep inside a loader or, worse, resuming another run.
 """
 
 from __future__ import annotations
@@ -14,19 +14,33 @@ import fnmatch
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import CONFIG_NAME
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 from .trajectory.format import TRAJECTORY_NAME
 
 STAGING_DIR_NAME = ".zo-staging"
 """Folder, inside the run directory, where checkpoints are written before they are published."""
+
+
+SAVE_TMP_DIR_NAME = ".zo-save-tmp"
+"""Folder, inside the folder a model is saved to, where its files are written before they are moved in."""
 
 
 def staging_dir(run_dir: str | os.PathLike) -> Path:
@@ -81,15 +95,45 @@ def replace_files_atomically(source: str | os.PathLike, target: str | os.PathLik
 OPTIMIZER_STATE_NAME = "optimizer.pt"
 """The file of a checkpoint holding the ZO optimizer's state, its step counter included (`Trainer`'s name)."""
 
+GLOBAL_STEP_KEY = "hf_zo_global_step"
+"""The entry of the optimizer state that `ZOTrainer` saves with its `global_step` (the ZO step counter itself runs on
+across `train()` calls, so it is not the trainer's step): what shows that `optimizer.pt` and `trainer_state.json` come
+from one save."""
+
+HEAD_OPTIMIZER_NAME = "zo_head_optimizer.pt"
+"""The file of a checkpoint holding the AdamW state of a head trained first-order (`zo_head_training`)."""
+
+RESUMED_FILE_PATTERNS = (
+    TRAINER_STATE_NAME,
+    OPTIMIZER_STATE_NAME,
+    SCHEDULER_NAME,
+    SCALER_NAME,
+    "rng_state*.pth",
+    HEAD_OPTIMIZER_NAME,
+    CONFIG_NAME,
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    "model-*-of-*.safetensors",
+    WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    "pytorch_model-*-of-*.bin",
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+)
+"""The files at a checkpoint's top level that `Trainer` and hf_zo load when a run resumes from it."""
+
 
 def check_resumable(checkpoint: str | os.PathLike) -> None:
     """Fail, naming the file, when the checkpoint folder `checkpoint` lacks its optimizer state or holds a file that
     cannot be read (truncated, or with a damaged header).
 
     The ZO optimizer's step counter seeds every perturbation, so a checkpoint without `optimizer.pt` would resume
-    with other perturbations than the run's; `Trainer` would skip the missing file silently. Tensor files are
-    opened, not loaded (`safe_open`, `torch.load(mmap=True)`): a changed byte inside a tensor is caught later, by the
-    checksum of the checkpoint's trajectory.
+    with other perturbations than the run's; `Trainer` would skip the missing file silently. The files resuming loads
+    (:data:`RESUMED_FILE_PATTERNS`) are read as their loaders read them; tensor files are opened, not loaded
+    (`safe_open`, `torch.load(mmap=True)`): a changed byte inside a tensor is caught later, by the checksum of the
+    checkpoint's trajectory. Other files (a callback's own state, say) are only checked to be whole archives, never
+    unpickled: their classes are their owner's business, and resuming does not read them.
 
     Raises:
         `ValueError`: naming the checkpoint, the file and what to do.
@@ -102,14 +146,17 @@ def check_resumable(checkpoint: str | os.PathLike) -> None:
             f"resumed without it, the run would draw other perturbations than the ones it was trained with. {advice}"
         )
     for path in sorted(folder.iterdir()):
-        if path.name in (TRAINING_ARGS_NAME, TRAJECTORY_NAME):
-            continue  # a record of the run's arguments that resuming does not read; a trajectory checks itself
+        if not path.is_file() or path.name == TRAJECTORY_NAME:
+            continue  # subfolders are their loaders' business; a trajectory checks itself against the weights
+        resumed = any(fnmatch.fnmatch(path.name, pattern) for pattern in RESUMED_FILE_PATTERNS)
         try:
-            if path.suffix == ".json":
-                json.loads(path.read_text())
-            elif path.suffix == ".safetensors":
+            if path.suffix == ".safetensors":  # a header of JSON: reading it runs no code of the file
                 with safe_open(path, framework="pt") as tensors:
                     list(tensors.keys())
+            elif not resumed:
+                _check_archive(path)
+            elif path.suffix == ".json":
+                json.loads(path.read_text())
             elif path.suffix in (".pt", ".pth", ".bin"):
                 with safe_globals():  # the numpy arrays of Trainer's RNG states
                     torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -118,6 +165,16 @@ def check_resumable(checkpoint: str | os.PathLike) -> None:
                 f"Checkpoint {folder} cannot be resumed: {path.name} is damaged or truncated "
                 f"({type(error).__name__}: {error}). {advice}"
             ) from error
+
+
+def _check_archive(path: Path) -> None:
+    """Read the table of contents of `path` if it is a zip archive (what `torch.save` writes): a truncated one has
+    lost it. Nothing is unpickled, and a file in any other format is left alone."""
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":
+            return
+    with zipfile.ZipFile(path) as archive:
+        archive.namelist()
 
 
 SAVED_RUN_PATTERNS = (

@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
+from .checkpoint import HEAD_OPTIMIZER_NAME
 from .length_grouping import example_lengths
 from .parallel.head_gradients import Gradients, MicroBatch, sum_in_single_process_order
 from .parallel.mesh import ZOMesh
@@ -56,7 +57,6 @@ __all__ = [
 
 HEAD_INIT_CHOICES = ("auto", "none", "linear_probe")
 HEAD_TRAINING_CHOICES = ("auto", "zeroth_order", "first_order")
-HEAD_OPTIMIZER_NAME = "zo_head_optimizer.pt"
 
 # What "auto" means for a sequence classifier; other models keep their head as it is.
 AUTO_HEAD_INIT = "linear_probe"
@@ -524,12 +524,17 @@ class ZOHeads(TrainerCallback):
         if self.first_order is not None:
             self.first_order.step(schedule_scale(lr_scheduler, optimizer, args.learning_rate))
 
-    def on_save(self, args, state, control, **kwargs):
-        if self.first_order is None or not state.is_world_process_zero:
+    def save_checkpoint(self, checkpoint: str) -> None:
+        """Write the first-order head's AdamW state into the checkpoint folder `checkpoint` (nothing if no head trains
+        first-order).
+
+        `ZOTrainer` calls it on the folder it stages the checkpoint in, with the ZO optimizer's state, so that the
+        checkpoint is published (and pushed to the Hub) with it, never without.
+        """
+        if self.first_order is None:
             return
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(checkpoint):
-            torch.save(self.first_order.optimizer.state_dict(), os.path.join(checkpoint, HEAD_OPTIMIZER_NAME))
+        os.makedirs(checkpoint, exist_ok=True)
+        torch.save(self.first_order.optimizer.state_dict(), os.path.join(checkpoint, HEAD_OPTIMIZER_NAME))
 
     def load_checkpoint(self, checkpoint: str) -> None:
         """Restore the first-order head's AdamW state saved in `checkpoint`.

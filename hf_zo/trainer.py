@@ -32,7 +32,9 @@ from transformers.trainer_utils import (
 from transformers.utils import logging
 
 from .checkpoint import (
+    GLOBAL_STEP_KEY,
     OPTIMIZER_STATE_NAME,
+    SAVE_TMP_DIR_NAME,
     check_resumable,
     publish_checkpoint,
     replace_files_atomically,
@@ -46,6 +48,7 @@ from .length_grouping import SamplerEpochCallback, ZOLengthGroupedSampler, examp
 from .noise import Noise
 from .optim import ZO_OPTIMIZERS, ZOOptimizer
 from .parallel import DistZOPlugin
+from .parallel.mesh import ZOMesh
 from .parallel.replicas import ReplicaCallback
 from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 
@@ -115,6 +118,7 @@ class ZOTrainer(Trainer):
         # and destroys the process groups at exit.
         self.zo_plugin = DistZOPlugin.from_zo_config(args)
         self.zo_plugin.setup()
+        _check_sampling_fits_layout(args, self.zo_plugin.mesh)
         _check_parallel_mode(args, self.zo_plugin.mesh.world_size)
         self.zo_offloader = None
         if model is not None:
@@ -148,9 +152,12 @@ class ZOTrainer(Trainer):
                     flush=self.flush_pending_update,
                 )
             )
+        self._zo_state_hooks: list = []
+        self._zo_saved_global_step: int | None = None
         if self.optimizer is not None:
             self.zo_plugin.prepare_optimizer(self.zo_optimizer)
             self._attach_zo_engine(self.zo_optimizer)
+            self._record_global_step(self.zo_optimizer)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
         self._zo_log_grads: list[float] = []
@@ -201,6 +208,10 @@ class ZOTrainer(Trainer):
             return
         if size == 0:
             raise ValueError("train_dataset is empty: ZOTrainer needs at least one training example.")
+        if not self.label_names or type(self).compute_loss is not ZOTrainer.compute_loss:
+            # A model whose forward takes no label argument computes its loss from the inputs, and an overridden
+            # compute_loss may take it from anywhere: in both, a batch without labels can be right.
+            return
         example = dataset[0]
         if not isinstance(example, Mapping):
             return
@@ -251,7 +262,30 @@ class ZOTrainer(Trainer):
         self.optimizer = build_zo_optimizer(self.args, param_groups)
         self.zo_plugin.prepare_optimizer(self.optimizer)
         self._attach_zo_engine(self.optimizer)
+        self._record_global_step(self.optimizer)
         return self.optimizer
+
+    def _record_global_step(self, optimizer: ZOOptimizer) -> None:
+        """Make the state `optimizer` saves carry the trainer's `global_step` (:data:`GLOBAL_STEP_KEY`), read back
+        when a checkpoint is loaded.
+
+        The ZO step counter seeds the perturbations and runs on across `train()` calls, while `global_step` starts
+        again at 0 in each, so the two differ after a first call; the step saved with the state is what shows that
+        `trainer_state.json` and `optimizer.pt` come from the same save.
+        """
+        for handle in self._zo_state_hooks:  # those of an optimizer this trainer no longer uses
+            handle.remove()
+
+        def add_global_step(optimizer, state_dict):
+            state_dict[GLOBAL_STEP_KEY] = self.state.global_step
+
+        def take_global_step(optimizer, state_dict):
+            self._zo_saved_global_step = state_dict.pop(GLOBAL_STEP_KEY, None)
+
+        self._zo_state_hooks = [
+            optimizer.register_state_dict_post_hook(add_global_step),
+            optimizer.register_load_state_dict_pre_hook(take_global_step),
+        ]
 
     def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
         """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
@@ -271,6 +305,7 @@ class ZOTrainer(Trainer):
         """`Trainer`'s sampler, except with `train_sampling_strategy="group_by_length"` (`ZOConfig`'s default): a
         :class:`~hf_zo.length_grouping.ZOLengthGroupedSampler` over the global batch, or random sampling with a
         warning when the examples' lengths cannot be read."""
+        _check_sampling_fits_layout(self.args, self.zo_plugin.setup())
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.train_sampling_strategy != "group_by_length" or dataset is None or not has_length(dataset):
             return super()._get_train_sampler(train_dataset)
@@ -372,6 +407,12 @@ class ZOTrainer(Trainer):
             if checkpoint is not None and os.path.isdir(checkpoint):  # else Trainer names what is missing
                 check_resumable(checkpoint)
         self.zo_heads = prepare_zo_heads(self, resume_from_checkpoint)
+        try:
+            self._check_optimizer_leaves_out_heads()
+        except ValueError:
+            self.zo_heads.close()
+            self.zo_heads = ZOHeads()
+            raise
         self.add_callback(self.zo_heads)
         self.model_init = None  # rebuilt above: Trainer.train must not replace the model whose head was prepared
         try:
@@ -379,6 +420,24 @@ class ZOTrainer(Trainer):
         finally:
             self.model_init = model_init
             self.flush_pending_update()
+
+    def _check_optimizer_leaves_out_heads(self) -> None:
+        """Fail when the ZO optimizer (one passed in `optimizers=`) holds parameters of a head trained first-order:
+        they would be perturbed by ZO and stepped by the head's AdamW both."""
+        optimizer, excluded = self.zo_optimizer, self.zo_heads.zo_excluded
+        if optimizer is None or not excluded:
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        both = sorted(name for name, p in self.model.named_parameters() if name in excluded and id(p) in held)
+        if both:
+            raise ValueError(
+                f"The ZO optimizer passed in optimizers=(...) holds {both}, the parameters of the head that "
+                f"zo_head_training={self.args.zo_head_training!r} trains first-order with AdamW, so they would be "
+                "updated twice per step. Build the optimizer without them, e.g. "
+                "ZOSGD([p for n, p in model.named_parameters() if p.requires_grad and n not in "
+                f"{sorted(excluded)}]), leave `optimizers` unset so ZOTrainer builds it, or set "
+                "zo_head_training='zeroth_order'."
+            )
 
     def evaluate(self, *args, **kwargs):
         """`Trainer.evaluate` on the true (flushed) weights."""
@@ -394,26 +453,44 @@ class ZOTrainer(Trainer):
         """`Trainer.save_model` of the true (flushed) weights; used by checkpoints too.
 
         Outside checkpoints (which are published atomically as a whole), the files are written to a temporary
-        folder and moved into `output_dir` one atomic rename each, so a crash never leaves a half-written file.
+        folder and moved into `output_dir` one atomic rename each, so a crash never leaves a half-written file. With
+        `push_to_hub`, a call from user code then pushes `output_dir`, as `Trainer.save_model` does.
         """
         self.flush_pending_update()
         output_dir = output_dir or self.args.output_dir
         target = output_dir
-        if not _internal_call and self.args.should_save:
-            output_dir = os.path.join(target, ".zo-save-tmp")
+        if not self._zo_staging and self.args.should_save:
+            output_dir = os.path.join(target, SAVE_TMP_DIR_NAME)
             shutil.rmtree(output_dir, ignore_errors=True)
-        super().save_model(output_dir, _internal_call=_internal_call)
+        # Trainer's push waits until the files are in `target`: from inside it would upload the temporary folder.
+        super().save_model(output_dir, _internal_call=True)
         if self.args.should_save:
             self.zo_trajectory_callback.save(output_dir, self.model)
             if output_dir != target:
                 replace_files_atomically(output_dir, target)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _get_output_dir(self, trial) -> str:
         run_dir = super()._get_output_dir(trial)
         return str(staging_dir(run_dir)) if self._zo_staging else run_dir
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """`Trainer._save_optimizer_and_scheduler`, and the first-order head's AdamW state next to the ZO state."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            self.zo_heads.save_checkpoint(output_dir)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`Trainer._push_from_checkpoint`, except for a staged checkpoint: `_save_checkpoint` pushes it once it is
+        published (the upload runs in the background, and the staged folder is renamed away as soon as it is
+        complete; it would also put the staging folder into the `every_save` upload of the output directory)."""
+        if not self._zo_staging:
+            super()._push_from_checkpoint(checkpoint_folder)
+
     def _save_checkpoint(self, model, trial) -> None:
-        """`Trainer._save_checkpoint`, written to a staging folder and published with one atomic rename."""
+        """`Trainer._save_checkpoint`, written to a staging folder, published with one atomic rename, then pushed to
+        the Hub (with `push_to_hub`)."""
         run_dir = super()._get_output_dir(trial)
         staging = staging_dir(run_dir)
         if self.args.should_save:
@@ -434,6 +511,8 @@ class ZOTrainer(Trainer):
             publish_checkpoint(staged, final)
             with contextlib.suppress(OSError):  # emptied by the publish; a run folder keeps only its checkpoints
                 staging.rmdir()
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(final)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=self.args.save_total_limit,
@@ -464,14 +543,19 @@ class ZOTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """`Trainer._load_optimizer_and_scheduler`; the trajectory saved in `checkpoint` is then continued."""
+        self._zo_saved_global_step = None
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.zo_optimizer.zo_step != self.state.global_step:
-            raise ValueError(
-                f"Checkpoint {checkpoint} does not hold one state: {TRAINER_STATE_NAME} is at step "
-                f"{self.state.global_step} but the ZO optimizer of {OPTIMIZER_STATE_NAME} at step "
-                f"{self.zo_optimizer.zo_step}, so one of them was changed or replaced. Resume from another "
-                "checkpoint, or train into a new output_dir."
-            )
+        if checkpoint is not None:
+            saved_step = self._zo_saved_global_step
+            if saved_step is None:  # saved before the state recorded it, when both counters ran together
+                saved_step = self.zo_optimizer.zo_step
+            if saved_step != self.state.global_step:
+                raise ValueError(
+                    f"Checkpoint {checkpoint} does not hold one state: {TRAINER_STATE_NAME} is at step "
+                    f"{self.state.global_step} but the ZO optimizer of {OPTIMIZER_STATE_NAME} was saved at step "
+                    f"{saved_step}, so one of them was changed or replaced. Resume from another checkpoint, or train "
+                    "into a new output_dir."
+                )
         self.zo_trajectory_callback.resume_from = checkpoint
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
@@ -542,6 +626,20 @@ def _check_parallel_mode(args: TrainingArguments, world_size: int) -> None:
             f"{getattr(args.distributed_state, 'distributed_type', None)} with world size {args.world_size}, so "
             "evaluation, logging and saving would not be coordinated. On CPUs set ACCELERATE_USE_CPU=true (or "
             "use_cpu=True); with GPUs, give each process its own device."
+        )
+
+
+def _check_sampling_fits_layout(args: TrainingArguments, mesh: ZOMesh) -> None:
+    """Fail when `args.train_sampling_strategy` cannot feed this layout: Trainer's `BatchRebalanceSampler` hands
+    each process its own batches, but the ranks of one perturbation-parallel group must all see the same batch
+    (each would estimate the gradient on another one, and the step would mix them)."""
+    if args.train_sampling_strategy == "batch_rebalance" and mesh.pertp_size > 1:
+        raise ValueError(
+            f"train_sampling_strategy='batch_rebalance' cannot feed perturbation parallelism (a perturbation-parallel "
+            f"size of {mesh.pertp_size}): its sampler gives every process different batches, while the ranks of one "
+            "perturbation-parallel group must share theirs. Use train_sampling_strategy='group_by_length' (ZOConfig's "
+            "default, which also batches examples of similar length) or 'random', or set "
+            "zo_perturbation_parallel_size=1."
         )
 
 
