@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -24,8 +25,35 @@ def hand_pooled(encoder_dir, mode: str) -> torch.Tensor:
     rows = []
     for states, mask in zip(hidden, ATTENTION_MASK):
         kept = states[mask.bool()]
-        rows.append({"mean": kept.mean(0), "max": kept.max(0).values, "cls": states[0]}[mode])
+        pooled = {"mean": kept.mean(0), "max": kept.max(0).values, "cls": states[0]}
+        pooled["mean_sqrt_len"] = kept.sum(0) / len(kept) ** 0.5
+        rows.append(pooled[mode])
     return torch.stack(rows)
+
+
+# The module types sentence-transformers 6.3 writes in modules.json (older releases: sentence_transformers.models.X).
+CURRENT_TYPES = {
+    "Transformer": "sentence_transformers.base.modules.transformer.Transformer",
+    "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+    "Dense": "sentence_transformers.base.modules.dense.Dense",
+    "Normalize": "sentence_transformers.base.modules.normalize.Normalize",
+}
+
+
+def save_current_sentence_encoder(path, pooling_mode, modules=("Pooling",), include_prompt=True) -> None:
+    """The tiny encoder saved as sentence-transformers 6.3 saves one: its module types, and a pooling config with
+    the `pooling_mode` key (`{"embedding_dimension": ..., "pooling_mode": "mean", "include_prompt": true}`)."""
+    save_tiny_sentence_encoder(path)  # the encoder's weights and config; modules.json and pooling replaced below
+    entries = [{"idx": 0, "name": "0", "path": "", "type": CURRENT_TYPES["Transformer"]}]
+    for idx, name in enumerate(modules, start=1):
+        entries.append({"idx": idx, "name": str(idx), "path": f"{idx}_{name}", "type": CURRENT_TYPES[name]})
+        (path / f"{idx}_{name}").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps(entries))
+    pooling = {"embedding_dimension": 32, "pooling_mode": pooling_mode, "include_prompt": include_prompt}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if "Dense" in modules:
+        dense = {"in_features": 32, "out_features": 16, "bias": True, "activation_function": "torch.nn.Tanh"}
+        (path / f"{modules.index('Dense') + 1}_Dense" / "config.json").write_text(json.dumps(dense))
 
 
 @pytest.mark.parametrize("mode", ["mean", "max", "cls"])
@@ -42,7 +70,7 @@ def test_logits_are_the_head_on_the_checkpoints_pooling(tmp_path, mode):
 
 def test_normalize_module_normalizes_the_embedding(tmp_path):
     save_tiny_sentence_encoder(tmp_path, normalize=True)
-    assert read_pooling_config(tmp_path) == {"pooling_modes": ["mean"], "normalize": True}
+    assert read_pooling_config(tmp_path) == {"pooling_modes": ["mean"], "normalize": True, "unsupported_modules": []}
     model = load_sequence_classifier(tmp_path, num_labels=2)
     with torch.no_grad():
         expected = model.classifier(torch.nn.functional.normalize(hand_pooled(tmp_path, "mean"), dim=-1))
@@ -81,7 +109,8 @@ def test_several_pooling_modes_are_refused_with_the_fix(tmp_path):
     path = tmp_path / "1_Pooling" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps(config | {"pooling_mode_max_tokens": True}))
-    with pytest.raises(ValueError, match=r"pools with \['mean', 'max'\].*pass pooling_mode to choose it"):
+    # In sentence-transformers' order, the order in which it concatenates them.
+    with pytest.raises(ValueError, match=r"pools with \['max', 'mean'\].*pass pooling_mode to choose it"):
         load_sequence_classifier(tmp_path, num_labels=2)
     model = PooledEncoderForSequenceClassification.from_encoder(tmp_path, pooling_mode="max", num_labels=2)
     assert model.config.pooling_mode == "max"
@@ -164,3 +193,183 @@ def test_a_head_on_the_untrained_pooler_is_reported(tmp_path):
     assert message is not None and "['mean'] pooling" in message and "load_sequence_classifier" in message
     assert pooling_mismatch(load_sequence_classifier(tmp_path, num_labels=2)) is None
     assert pooling_mismatch(tiny_bert_classifier()) is None  # built in code: no checkpoint to compare with
+
+
+@pytest.mark.parametrize(
+    "written, mode",
+    [("mean", "mean"), ("cls", "cls"), ("max", "max"), ("mean_sqrt_len_tokens", "mean_sqrt_len"), (["mean"], "mean")],
+)
+def test_the_pooling_mode_key_of_current_sentence_transformers_is_read(tmp_path, written, mode):
+    # sentence-transformers >= 6 writes {"pooling_mode": "mean", ...} instead of the pooling_mode_*_tokens flags; a
+    # one-mode list is the same mode, and include_prompt does not change what a prompt-less input pools over.
+    save_current_sentence_encoder(tmp_path, written, modules=("Pooling", "Normalize"), include_prompt=False)
+    assert read_pooling_config(tmp_path) == {"pooling_modes": [mode], "normalize": True, "unsupported_modules": []}
+    model = load_sequence_classifier(tmp_path, num_labels=2)
+    assert (model.config.pooling_mode, model.config.normalize) == (mode, True)
+    with torch.no_grad():
+        expected = model.classifier(torch.nn.functional.normalize(hand_pooled(tmp_path, mode), dim=-1))
+        logits = model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_several_modes_under_the_pooling_mode_key_are_refused(tmp_path):
+    save_current_sentence_encoder(tmp_path, ["cls", "mean_sqrt_len_tokens"])
+    with pytest.raises(ValueError, match=r"pools with \['cls', 'mean_sqrt_len'\].*pass pooling_mode to choose it"):
+        load_sequence_classifier(tmp_path, num_labels=2)
+
+
+@pytest.mark.parametrize("written", ["lasttoken", "weightedmean"])
+def test_a_mode_hf_zo_does_not_implement_is_refused_by_name(tmp_path, written):
+    save_current_sentence_encoder(tmp_path, written)
+    with pytest.raises(ValueError, match=rf"pools with \['{written}'\]; .*exactly one of \['mean', 'cls'"):
+        load_sequence_classifier(tmp_path, num_labels=2)
+
+
+def test_legacy_config_with_no_flag_set_pools_with_the_mean_as_sentence_transformers_does(tmp_path):
+    save_tiny_sentence_encoder(tmp_path)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32}))
+    assert read_pooling_config(tmp_path)["pooling_modes"] == ["mean"]
+
+
+def test_cls_pooling_reads_the_first_non_padding_token(tmp_path):
+    # Left padding (a tokenizer with padding_side="left"): sentence-transformers' CLS is the first attended token.
+    save_tiny_sentence_encoder(tmp_path, pooling="cls")
+    model = load_sequence_classifier(tmp_path, num_labels=2)
+    input_ids = torch.tensor([[2, 5, 9, 11], [0, 0, 2, 8]])
+    attention_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    with torch.no_grad():
+        hidden = model.encoder(input_ids=input_ids, attention_mask=attention_mask)[0]
+        expected = model.classifier(torch.stack([hidden[0, 0], hidden[1, 2]]))
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dense_module_is_refused_unless_a_pooling_mode_is_chosen(tmp_path):
+    # LaBSE, sentence-t5 and gtr-t5 project the pooled embedding with a Dense layer the classifier does not compute.
+    from hf_zo.pooled_classifier import pooling_mismatch
+
+    save_current_sentence_encoder(tmp_path, "mean", modules=("Pooling", "Dense", "Normalize"))
+    dense = "sentence_transformers.base.modules.dense.Dense (at '2_Dense')"
+    assert read_pooling_config(tmp_path)["unsupported_modules"] == [dense]
+    with pytest.raises(ValueError, match=re.escape(dense) + r" in its modules.json.*Pass pooling_mode"):
+        load_sequence_classifier(tmp_path, num_labels=2)
+    model = load_sequence_classifier(tmp_path, num_labels=2, pooling_mode="mean", normalize=False)
+    with torch.no_grad():
+        expected = model.classifier(hand_pooled(tmp_path, "mean"))
+        torch.testing.assert_close(model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits, expected)
+    on_pooler = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
+    assert "load_sequence_classifier(path, num_labels=..., pooling_mode=...)" in pooling_mismatch(on_pooler)
+
+
+def test_an_encoder_decoder_checkpoint_is_refused(tmp_path):
+    # A sentence-t5 encoder saved alone (T5EncoderModel writes is_encoder_decoder=False): AutoModel would build the
+    # whole T5Model, with a random decoder whose forward fails without decoder inputs.
+    from transformers import T5Config, T5EncoderModel
+
+    save_tiny_sentence_encoder(tmp_path)
+    config = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    T5EncoderModel(config).save_pretrained(tmp_path)  # replaces the BERT encoder, keeps the pooling config
+    with pytest.raises(ValueError, match=r"is a 't5' checkpoint, an encoder-decoder architecture.*encoder-only"):
+        load_sequence_classifier(tmp_path, num_labels=2)
+
+
+CUSTOM_CONFIG = """
+from transformers import BertConfig
+
+
+class CustomBertConfig(BertConfig):
+    model_type = "hf_zo_test_custom_bert"
+"""
+
+CUSTOM_MODELING = """
+from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+from .configuration_custom import CustomBertConfig
+
+
+class CustomBertModel(BertModel):
+    config_class = CustomBertConfig
+
+
+class CustomBertForSequenceClassification(BertForSequenceClassification):
+    config_class = CustomBertConfig
+
+
+class NativeConfigBertModel(BertModel):
+    config_class = BertConfig
+"""
+
+
+def save_custom_code_encoder(path, custom_config: bool, sentence_transformers: bool = True) -> None:
+    """The tiny encoder as a checkpoint whose model (and, with `custom_config`, config) class is its own code."""
+    from tiny_models import tiny_bert_config
+
+    save_tiny_sentence_encoder(path)
+    if not sentence_transformers:
+        (path / "modules.json").unlink()
+    (path / "configuration_custom.py").write_text(CUSTOM_CONFIG)
+    (path / "modeling_custom.py").write_text(CUSTOM_MODELING)
+    config = tiny_bert_config().to_dict()
+    if custom_config:
+        config["model_type"] = "hf_zo_test_custom_bert"
+        config["auto_map"] = {
+            "AutoConfig": "configuration_custom.CustomBertConfig",
+            "AutoModel": "modeling_custom.CustomBertModel",
+            "AutoModelForSequenceClassification": "modeling_custom.CustomBertForSequenceClassification",
+        }
+    else:
+        config["auto_map"] = {"AutoModel": "modeling_custom.NativeConfigBertModel"}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("custom_config", [True, False], ids=["custom-config", "native-config"])
+def test_an_encoder_running_its_own_code_is_refused_as_it_would_not_load_back(tmp_path, custom_config):
+    path = tmp_path / f"custom_encoder_{custom_config}"
+    save_custom_code_encoder(path, custom_config)
+    with pytest.raises(ValueError, match=r"runs its own code \(.*trust_remote_code=True\).*would not load back"):
+        load_sequence_classifier(path, num_labels=2, trust_remote_code=True)
+
+
+def test_trust_remote_code_reaches_the_config_of_a_checkpoint_without_pooling(tmp_path):
+    path = tmp_path / "custom_classifier"
+    save_custom_code_encoder(path, custom_config=True, sentence_transformers=False)
+    model = load_sequence_classifier(path, num_labels=2, trust_remote_code=True)
+    assert type(model).__name__ == "CustomBertForSequenceClassification"
+
+
+def test_device_map_keeps_the_head_with_the_encoder(tmp_path):
+    save_tiny_sentence_encoder(tmp_path)
+    torch.manual_seed(0)
+    plain = load_sequence_classifier(tmp_path, num_labels=2)
+    torch.manual_seed(0)
+    placed = load_sequence_classifier(tmp_path, num_labels=2, device_map="cpu")
+    assert placed.classifier.weight.device == placed.encoder.device
+    with torch.no_grad():
+        assert torch.equal(
+            plain(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            placed(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+
+
+def test_an_offloaded_encoder_computes_saves_and_reloads_exactly(tmp_path):
+    # A device_map with disk offload dispatches the encoder with accelerate hooks: the composite model carries the
+    # map (with the head), which save_pretrained needs to gather the offloaded weights.
+    save_tiny_sentence_encoder(tmp_path / "encoder")
+    torch.manual_seed(0)
+    plain = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
+    torch.manual_seed(0)
+    device_map = {"embeddings": "cpu", "encoder": "disk", "pooler": "cpu"}
+    offloaded = load_sequence_classifier(
+        tmp_path / "encoder", num_labels=2, device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    assert offloaded.hf_device_map == {"encoder.embeddings": "cpu", "encoder.encoder": "disk", "classifier": "cpu"}
+    with torch.no_grad():
+        assert torch.equal(
+            plain(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            offloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+    offloaded.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
+    state, reloaded_state = plain.state_dict(), reloaded.state_dict()
+    assert state.keys() == reloaded_state.keys()
+    assert all(torch.equal(state[k], reloaded_state[k]) for k in state)
