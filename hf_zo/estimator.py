@@ -128,28 +128,65 @@ class SPSAEstimator:
         """Two forwards around the current parameters (three with `center_loss`); `None` (with a warning) if a
         loss is not finite.
 
-        Either way the parameters are (pending) restored to where they were; a dropped record is never applied.
+        Either way the parameters are (pending) restored to where they were; a dropped record is never applied. If
+        the closure raises (an error, an out-of-memory, a `KeyboardInterrupt`), the parameters are restored the same
+        way before the exception propagates (see :meth:`signed_forwards`).
         """
         loss_center = None
         if self.center_loss:
             self.params.flush()
             loss_center = _as_float(closure())
+        loss_plus, loss_minus = self.signed_forwards(closure, seed)
+        return make_record(seed, loss_plus, loss_minus, self.eps, loss_center)
+
+    @torch.no_grad()
+    def signed_forwards(
+        self,
+        closure: Callable[[], torch.Tensor | float] | None,
+        seed: int,
+        signs: tuple[int, ...] = (+1, -1),
+    ) -> tuple[float, float]:
+        """The sweeps of one two-point estimate, running only the forwards of `signs` (a subset of ``(+1, -1)``).
+
+        The parameters go through the same sweeps whichever forwards run (with `signs` empty, `closure` is not
+        called), so ranks that share out an estimate's forwards keep bitwise the same parameters. Afterwards they
+        are restored: from the copy with `exact_restore`, else by a pending ``+eps z`` that the next sweep applies.
+
+        If anything raises in between (the closure, a `KeyboardInterrupt`, an out-of-memory error), the parameters
+        are restored the same way, undoing only the part of the perturbation already made, and the exception
+        propagates: after :meth:`LazyParameters.flush` they hold what they would have held without this estimate,
+        up to the rounding of the normal restore (exactly, with `exact_restore`).
+
+        Returns:
+            `tuple[float, float]`: the losses at ``theta + eps z`` and ``theta - eps z``; NaN for a forward not run.
+        """
         snapshot = None
         if self.exact_restore:
             self.params.flush()
             snapshot = [tensor.detach().clone() for _, tensor in self.params.tensors]
-        self.params.add(seed, self.eps)
-        self.params.flush()
-        loss_plus = _as_float(closure())
-        self.params.add(seed, -2.0 * self.eps)
-        self.params.flush()
-        loss_minus = _as_float(closure())
+        losses = [math.nan, math.nan]
+        offset = 0.0  # the multiple of z(seed) this estimate has added so far, applied or pending
+        try:
+            for f, (sign, target) in enumerate(((+1, self.eps), (-1, -self.eps))):
+                self.params.add(seed, target - offset)  # eps, then -2 eps
+                offset = target
+                self.params.flush()
+                if sign in signs:
+                    losses[f] = _as_float(closure())
+        finally:
+            self._restore(seed, offset, snapshot)
+        return losses[0], losses[1]
+
+    def _restore(self, seed: int, offset: float, snapshot: list[torch.Tensor] | None) -> None:
+        """Undo a perturbation of ``offset * z(seed)``: composed into the pending move, or copied from `snapshot`."""
         if snapshot is None:
-            self.params.add(seed, self.eps)
-        else:
-            for (_, tensor), saved in zip(self.params.tensors, snapshot):
-                tensor.data.copy_(saved)
-        return make_record(seed, loss_plus, loss_minus, self.eps, loss_center)
+            if offset:
+                self.params.add(seed, -offset)
+            return
+        # The snapshot was taken after a flush, so whatever is pending now is this estimate's own move.
+        self.params.discard_pending()
+        for (_, tensor), saved in zip(self.params.tensors, snapshot):
+            tensor.data.copy_(saved)
 
 
 def make_record(

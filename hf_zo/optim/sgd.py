@@ -114,7 +114,9 @@ class ZOSGDConservative(ZOOptimizer):
     """Conservative ZO-SGD: of the candidates ``theta``, ``theta - lr g z`` and ``theta + lr g z`` keep the one with
     the lowest loss on the step's last batch (three extra forwards per step, no state).
 
-    Under gradient accumulation the last micro-batch's closure judges the candidates.
+    Under gradient accumulation the last micro-batch's closure judges the candidates. If a candidate's forward
+    raises (an error, an out-of-memory, a `KeyboardInterrupt`), the step is abandoned: the parameters are put back
+    at ``theta`` (pending, as the "keep ``theta``" choice would leave them) and the exception propagates.
     """
 
     def _apply_records(self, records: list[ZORecord]) -> None:
@@ -124,20 +126,32 @@ class ZOSGDConservative(ZOOptimizer):
         weights = mean_projected_grads(records)
         self.params.flush()
         loss_here = _loss(closure)
-        self.params.scale(decays)
-        self._add_direction(weights, lrs, -1.0)
-        self.params.flush()
-        loss_descent = _loss(closure)
-        self._add_direction(weights, lrs, 2.0)
-        self.params.flush()
-        loss_ascent = _loss(closure)
+        side = 0.0  # where the parameters are: decay * theta + side * lr g z (theta itself while 0)
+        try:
+            self.params.scale(decays)
+            self._add_direction(weights, lrs, -1.0)
+            side = -1.0
+            self.params.flush()
+            loss_descent = _loss(closure)
+            self._add_direction(weights, lrs, 2.0)
+            side = 1.0
+            self.params.flush()
+            loss_ascent = _loss(closure)
+        except BaseException:
+            if side:
+                self._back_to_theta(weights, lrs, decays, side)
+            raise
         best = min(loss_here, loss_descent, loss_ascent)
         if best == loss_ascent:
             return
         if best == loss_descent:
             self._add_direction(weights, lrs, -2.0)
             return
-        self._add_direction(weights, lrs, -1.0)
+        self._back_to_theta(weights, lrs, decays, side)
+
+    def _back_to_theta(self, weights, lrs, decays, side: float) -> None:
+        """Compose the move from ``decay * theta + side * lr g z`` back to ``theta`` into the pending update."""
+        self._add_direction(weights, lrs, -side)
         self.params.scale([1.0 / d for d in decays])
 
     def _add_direction(self, weights, lrs, sign: float) -> None:
