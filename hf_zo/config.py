@@ -130,8 +130,10 @@ class ZOConfig(TrainingArguments):
         zo_exact_restore (`bool`, *optional*):
             Restore the weights after the two forwards from a saved copy instead of subtracting the perturbation:
             exact in bf16/fp16 (no drift), no longer bitwise equal to subtracting in fp32. `"sequential"` copies the
-            trainable tensors (memory: their size), `"dual"` one block at a time. Default (`None`): on with
-            `"sequential"` when a trainable tensor is fp16/bf16 and they total at most 4M elements (PEFT), else off.
+            trainable tensors (memory: their size), `"dual"` one block at a time. Default (`None`): on, with either
+            engine, when a trainable tensor is fp16/bf16 and the trainable tensors total at most 4M elements (PEFT);
+            else off (with a warning about the drift when some trainable tensor is fp16/bf16). The optimizer makes
+            this choice and the `"dual"` engine follows it.
         zo_offload (`str`, *optional*):
             Keep the blocks in `"cpu"` memory (pinned when CUDA is available) or on `"disk"` (memory-mapped
             safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
@@ -152,6 +154,17 @@ class ZOConfig(TrainingArguments):
             from their storage tier and all-gather the block over the device interconnect (NCCL on GPUs, gloo on
             CPU). Needs `zo_offload` and `zo_perturbation_parallel_size` (or `HF_ZO_PERTURBATION_PARALLEL_SIZE`)
             above 1. Same weights as without it, bit for bit.
+
+    Mixed precision:
+
+        bf16 (`bool`, defaults to `False`):
+            Runs the forwards under bf16 autocast, as in `Trainer`; the weights (and the perturbations) stay in their
+            own dtype. ZO needs no loss scaling, and bf16 gets none.
+        fp16 (`bool`, defaults to `False`):
+            Refused, as is `ACCELERATE_MIXED_PRECISION="fp16"` (`accelerate launch --mixed_precision fp16`): fp16
+            mixed precision makes Accelerate wrap the optimizer in a `GradScaler`, which fails at the first step
+            unless `scaler.scale(loss).backward()` ran, and ZO runs no backward. Use `bf16=True`, fp32, or fp16
+            weights (load the model with `dtype=torch.float16` and leave `fp16` off; see `zo_exact_restore`).
 
     Defaults changed from `TrainingArguments`:
 
@@ -327,7 +340,28 @@ class ZOConfig(TrainingArguments):
                 f"Unknown zo_offload_dtype {self.zo_offload_dtype!r}; choose one of {list(OFFLOAD_DTYPES)} or None."
             )
 
+    def _validate_mixed_precision(self) -> None:
+        # TrainingArguments takes the mixed precision from fp16/bf16, else from the launcher's environment variable.
+        from_env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if self.fp16:
+            source = "fp16=True"
+        elif not self.bf16 and from_env == "fp16":
+            source = (
+                "ACCELERATE_MIXED_PRECISION='fp16' (from `accelerate launch --mixed_precision fp16` or the config)"
+            )
+        else:
+            return
+        raise ValueError(
+            f"{source} asks for fp16 mixed precision, for which Accelerate wraps the optimizer in a GradScaler that "
+            "only works after scaler.scale(loss).backward(); ZO training runs forward passes only, so the first "
+            "optimizer step would fail. ZO needs no loss scaling: use bf16=True (autocast without a scaler), or fp32 "
+            "(leave fp16 off"
+            + (", and launch with --mixed_precision no or bf16" if source != "fp16=True" else "")
+            + "), or train fp16 weights by loading the model with dtype=torch.float16 and leaving fp16 off."
+        )
+
     def _validate_zo_arguments(self) -> None:
+        self._validate_mixed_precision()
         self._validate_zo_engine_arguments()
         if self.output_dir is not None and os.path.isfile(self.output_dir):
             raise ValueError(

@@ -56,6 +56,19 @@ def test_invalid_zo_config_values(tmp_path, values, message):
         _config(tmp_path, **values)
 
 
+def test_fp16_mixed_precision_is_refused_with_the_alternatives(tmp_path, monkeypatch):
+    # What ZOConfig(fp16=True) used to build on a GPU: Accelerate's GradScaler around the ZO optimizer, whose first
+    # step fails because no loss went through scaler.scale(...).backward().
+    with pytest.raises(ValueError, match=r"fp16=True asks for fp16 mixed precision.*GradScaler.*use bf16=True"):
+        _config(tmp_path, fp16=True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # accelerate launch --mixed_precision fp16
+    with pytest.raises(ValueError, match=r"ACCELERATE_MIXED_PRECISION='fp16'.*--mixed_precision no or bf16"):
+        _config(tmp_path)
+    assert _config(tmp_path, bf16=True).mixed_precision == "bf16"  # bf16 overrides the variable and is allowed
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+    assert _config(tmp_path, bf16=True).mixed_precision == "bf16"
+
+
 def test_model_without_trainable_parameters(tmp_path):
     model = tiny_causal_lm("opt").requires_grad_(False)
     with pytest.raises(ValueError, match="has no trainable parameters.*get_peft_model"):
