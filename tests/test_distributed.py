@@ -396,6 +396,22 @@ def test_strategy_rejects_layouts_the_replicas_cannot_agree_on():
         perturbation_parallel.check(HiZOO(params, lr=0.1))
 
 
+@pytest.mark.parametrize("dp_size, pertp_size, refused", [(2, 1, True), (2, 2, True), (1, 2, False)])
+def test_the_plugin_refuses_zo_sgd_cons_under_data_parallelism(dp_size, pertp_size, refused):
+    """`prepare_optimizer`, which ZOTrainer calls on every rank before any step, refuses a layout whose DP replicas
+    would each pick the conservative candidate from their own batch (and so diverge)."""
+    plugin = DistZOPlugin(perturbation_parallel_size=pertp_size)
+    plugin.mesh = ZOMesh(dp_size=dp_size, pertp_size=pertp_size)  # as setup() builds it on dp x pertp processes
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = ZOSGDConservative([weight], lr=0.1, num_perturbations=pertp_size)
+    if not refused:  # the ranks of one PertP group share the batch, so they agree on the candidate
+        assert plugin.prepare_optimizer(optimizer).parallel is not None
+        return
+    with pytest.raises(ValueError, match=rf"zo_sgd_cons .* replicas \(dp={dp_size}\) would diverge; use another"):
+        plugin.prepare_optimizer(optimizer)
+    assert optimizer.parallel is None and torch.equal(weight.detach(), torch.zeros(3))
+
+
 def test_sliced_upload_needs_offload_and_a_perturbation_parallel_group(tmp_path):
     with pytest.raises(ValueError, match="zo_offload_sliced_upload=True shares the upload of offloaded blocks"):
         ZOConfig(output_dir=str(tmp_path), zo_offload_sliced_upload=True)
