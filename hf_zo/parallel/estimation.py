@@ -111,22 +111,17 @@ class ParallelEstimation:
         """The sweeps of one estimate, running only the forwards assigned to this rank (the others: NaN).
 
         With the dual engine (and offload) the engine replays the sweeps of the forwards it does not run, block by
-        block (`DualEngine.signed_forwards`); otherwise those of `SPSAEstimator.estimate` are made here.
+        block (`DualEngine.signed_forwards`); otherwise the optimizer's own estimator makes them
+        (`SPSAEstimator.signed_forwards`): the very sweeps of a single process, so the weights move as they do
+        there, restored from a copy with `exact_restore` (bf16/fp16 weights do not drift at lr = 0) and put back
+        before the exception propagates if the closure raises.
         """
         p, rank = self.mesh.pertp_size, self.mesh.pertp_rank
         signs = () if closure is None else tuple(s for f, s in enumerate((+1, -1)) if (2 * j + f) % p == rank)
         engine = getattr(optimizer, "engine", None)
         if engine is not None:
             return list(engine.signed_forwards(optimizer.params, optimizer.eps, closure, seed, signs))
-        params, eps = optimizer.params, optimizer.eps
-        losses = [math.nan, math.nan]
-        for f, (sign, coeff) in enumerate(((+1, eps), (-1, -2.0 * eps))):
-            params.add(seed, coeff)
-            params.flush()
-            if sign in signs:
-                losses[f] = _as_float(closure())
-        params.add(seed, eps)
-        return losses
+        return list(optimizer.estimator.signed_forwards(closure, seed, signs))
 
     def _exchange_losses(self, own_losses: list[list[float]]) -> list[tuple[float, float]]:
         """Share each rank's forwards with its PertP group: forward ``f = 2 j + sign`` comes from rank ``f % p``."""
