@@ -8,10 +8,13 @@ both passes reach block ``i``, the block's pending update and ``+eps z`` are app
 the block, ``-2 eps z`` is applied, the ``-`` pass runs it, and ``+eps z`` (the restore) is left pending. With an
 offloader the block is fetched once, used by both passes, written back and released.
 
-Trainable tensors outside the blocks (embeddings, final norm, head, PEFT prompt encoders) are moved the same way,
-on demand, by forward pre-hooks on the modules that own them; a tensor used by several modules (tied embedding and
-LM head) keeps its ``+eps`` state in a second buffer, and the passes switch between the two states by swapping
-storage: exact, and without sweeps beyond the sequential engine's.
+Trainable tensors outside the blocks (embeddings, final norm, head, PEFT prompt encoders, adapters on embeddings,
+``logit_scale``-like scalars) are moved by the coordinator, not by the modules that use them: before a pass starts or
+resumes, every one of them is put in that pass's state. Which module reads a tensor, and when, therefore never
+matters (a tensor read through an attribute, a tensor in an ``nn.ParameterDict``, one read by the head but owned by
+the outer model, whose forward begins before the blocks). While both passes run, each keeps its ``+eps`` state in a
+second buffer and the passes switch between the two states by swapping storage: exact, and without sweeps beyond
+the sequential engine's (memory: one copy of the trainable tensors outside the blocks).
 
 Every tensor therefore goes through exactly the sweeps of the sequential engine, in the same order, and every
 forward runs the same kernels on the same shapes: in fp32 the losses, projected gradients and weights are bitwise
@@ -26,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.utils import logging
 
-from ..estimator import LazyParameters, ZORecord, make_record
+from ..estimator import LazyParameters, ZORecord, _as_float, make_record
 from ..noise import NoiseUpdate
 from .blocks import find_blocks
 from .lockstep import Arrival, LockstepPass, current_pass
@@ -36,20 +38,17 @@ from .lockstep import Arrival, LockstepPass, current_pass
 if TYPE_CHECKING:
     from ..offload import BlockOffloader
 
-logger = logging.get_logger(__name__)
-
 
 class _Unit:
-    """Tensors moved together (a block, or one trainable tensor outside the blocks) and their perturbation state.
+    """Tensors moved together (a block, or all trainable tensors outside the blocks) and their perturbation state.
 
     `sign` is 0 while the tensors hold their unperturbed values with the update still pending, +1 at
     ``theta + eps z`` and -1 at ``theta - eps z``.
     """
 
-    def __init__(self, positions: list[int], block: int | None = None, reentrant: bool = False):
+    def __init__(self, positions: list[int], block: int | None = None):
         self.positions = positions
         self.block = block
-        self.reentrant = reentrant
         self.sign = 0
         self.visited = False  # blocks: reached by the passes in the current estimate
         self.alternate: list[torch.Tensor] | None = None
@@ -92,11 +91,10 @@ class DualEngine:
         self._block_units: list[_Unit] = []
         self._rest_units: list[_Unit] = []
         self._write_back: list[list[int]] = []
-        self._rest_hooks: list = []
         self._seed = 0
         self._eps = 0.0
         self._active = False
-        self._warned_inexact = False
+        self._plus_pass: LockstepPass | None = None
         self._block_hooks = [
             block.register_forward_pre_hook(self._block_pre_hook(b)) for b, block in enumerate(self.blocks)
         ]
@@ -104,7 +102,7 @@ class DualEngine:
     # ------------------------------------------------------------------ binding to the optimizer's tensors
 
     def bind(self, params: LazyParameters) -> None:
-        """Map the optimizer's tensors to blocks and to the modules outside the blocks that use them."""
+        """Map the optimizer's tensors to the blocks; the others form the unit outside the blocks."""
         if params is self._params:
             return
         if self.offloader is not None and params.has_pending():
@@ -125,25 +123,10 @@ class DualEngine:
             self._block_units.append(_Unit([pos for _, pos in found], block=b))
             self._write_back.append([k for k, _ in found])
             in_blocks.update(pos for _, pos in found)
-        inside = {id(m) for block in self.blocks for m in block.modules()}
-        users: dict[int, list[nn.Module]] = {}
-        for module in self.model.modules():
-            if id(module) in inside:
-                continue
-            for param in module.parameters(recurse=False):
-                position = position_of.get(id(param))
-                if position is not None and position not in in_blocks:
-                    users.setdefault(position, []).append(module)
+        # Everything else is moved as one unit by the coordinator before each pass runs (see `_enter`), so nothing
+        # depends on which module owns a tensor or whether its forward is ever called.
         rest = [k for k in range(len(params.tensors)) if k not in in_blocks]
-        unit_of = {k: _Unit([k], reentrant=len(users.get(k, ())) > 1) for k in rest}
-        self._rest_units = list(unit_of.values())
-        for hook in self._rest_hooks:
-            hook.remove()
-        modules: dict[int, tuple[nn.Module, list[_Unit]]] = {}
-        for position, owners in users.items():
-            for module in owners:
-                modules.setdefault(id(module), (module, []))[1].append(unit_of[position])
-        self._rest_hooks = [m.register_forward_pre_hook(self._rest_pre_hook(units)) for m, units in modules.values()]
+        self._rest_units = [_Unit(rest)] if rest else []
         self._params = params
 
     # ------------------------------------------------------------------ hooks
@@ -156,14 +139,12 @@ class DualEngine:
 
         return hook
 
-    def _rest_pre_hook(self, units: list[_Unit]):
-        def hook(module, args):
-            active = current_pass()
-            if self._active and active is not None:
-                for unit in units:
-                    self._move(unit, active.sign)
-
-        return hook
+    def _enter(self, lockstep: LockstepPass, run: Callable[[], Arrival]) -> Arrival:
+        """Put every tensor outside the blocks in the state of `lockstep`'s pass, then let it run (`run` is its
+        `start` or `resume`) to its next stop."""
+        for unit in self._rest_units:
+            self._move(unit, lockstep.sign)
+        return _checked(run())
 
     # ------------------------------------------------------------------ estimate
 
@@ -201,6 +182,7 @@ class DualEngine:
         for unit in self._block_units:
             unit.visited = False
         passes = {sign: LockstepPass(sign, closure) for sign in (+1, -1) if sign in signs}
+        self._plus_pass = passes.get(+1)
         arrivals: dict[int, Arrival] = {}
         self._active = True
         if self.offloader is not None:
@@ -208,7 +190,7 @@ class DualEngine:
             self.offloader.prefetch_from(0)
         try:
             for sign, lockstep in passes.items():
-                arrivals[sign] = _checked(lockstep.start())
+                arrivals[sign] = self._enter(lockstep, lockstep.start)
             while any(arrival.block is not None for arrival in arrivals.values()):
                 reached = [arrival.block for arrival in arrivals.values()]
                 if len(set(reached)) > 1:
@@ -227,7 +209,7 @@ class DualEngine:
                 for sign in (+1, -1):
                     self._move(unit, sign)
                     if sign in passes:
-                        arrivals[sign] = _checked(passes[sign].resume())
+                        arrivals[sign] = self._enter(passes[sign], passes[sign].resume)
                 self._finish(unit)
         except BaseException:
             for lockstep in passes.values():
@@ -239,12 +221,14 @@ class DualEngine:
             raise
         finally:
             self._active = False
+            self._plus_pass = None
             if self.offloader is not None:
                 self.offloader.managed = False
         # Tensors outside the blocks, and blocks no pass ran, still get the sequential engine's sweeps (bitwise).
         for unit in self._rest_units + [u for u in self._block_units if not u.visited]:
             self._finish(unit)
-        losses = {sign: _loss_value(arrival.result) for sign, arrival in arrivals.items()}
+        # The sequential engine's conversion: float64 losses stay float64, a model output gets its hint.
+        losses = {sign: _as_float(arrival.result) for sign, arrival in arrivals.items()}
         return losses.get(+1, math.nan), losses.get(-1, math.nan)
 
     # ------------------------------------------------------------------ moves of one unit
@@ -281,21 +265,15 @@ class DualEngine:
             if unit.alternate is not None:
                 self._swap(unit)
             else:
-                if unit.reentrant:
+                if unit.block is None and self._plus_pass is not None and not self._plus_pass.ended:
+                    # The + pass will run again and must find these tensors exactly at +eps, not moved back by
+                    # +2 eps z (exact only up to rounding): keep the + state in a second buffer.
                     unit.alternate = [t.detach().clone() for t in self._tensors(unit)]
                 self._apply(unit, [NoiseUpdate(terms={seed: -2.0 * eps}) for _ in unit.positions])
             unit.sign = -1
             return
-        if unit.alternate is not None:
-            self._swap(unit)
-        else:
-            if not self._warned_inexact:
-                logger.warning(
-                    "A trainable tensor outside the blocks was used again by the + pass after the - pass; it is moved "
-                    "back by +2 eps z, which is exact only up to rounding."
-                )
-                self._warned_inexact = True
-            self._apply(unit, [NoiseUpdate(terms={seed: 2.0 * eps}) for _ in unit.positions])
+        # Back to +1: only the tensors outside the blocks come back, and they kept their + state above.
+        self._swap(unit)
         unit.sign = +1
 
     def _swap(self, unit: _Unit) -> None:
@@ -367,20 +345,12 @@ class DualEngine:
 
     def close(self) -> None:
         """Remove the engine's hooks from the model."""
-        for hook in self._block_hooks + self._rest_hooks:
+        for hook in self._block_hooks:
             hook.remove()
-        self._block_hooks, self._rest_hooks = [], []
+        self._block_hooks = []
 
 
 def _checked(arrival: Arrival) -> Arrival:
     if arrival.error is not None:
         raise arrival.error
     return arrival
-
-
-def _loss_value(loss: Any) -> float:
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")
-        return float(loss.detach().float().item())
-    return float(loss)

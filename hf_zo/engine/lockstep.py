@@ -5,8 +5,14 @@ for them, and it must not re-implement any model's forward. Each pass therefore 
 its own thread; a forward pre-hook on every block stops the pass at the block's entrance (a *checkpoint*) and hands
 control back to a coordinator, which prepares the block for the next pass and resumes it. Exactly one thread runs
 at any time, so the passes see the same shapes and kernels as the sequential engine (bitwise-equal fp32 losses) and
-no state is touched concurrently. The caller's grad mode, inference mode, context variables and CUDA device and
-stream are carried into the pass threads.
+no state is touched concurrently.
+
+PyTorch keeps some of its state per thread. What the caller has set of it is carried into the pass threads, so that
+each pass runs its forward as the sequential engine would in the caller's thread: grad mode, inference mode,
+autocast (enabled device types, their dtypes, and whether the cast weights are cached), the default device
+(`torch.set_default_device`, ``with torch.device(...)``), context variables, and the CUDA device and stream.
+Other per-thread state (a `TorchFunctionMode` or `TorchDispatchMode` the caller entered, saved-tensor hooks) is
+not carried.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Any
 import torch
 
 _current = threading.local()
+
+# Device types whose autocast state is carried into the pass threads (those this build of PyTorch supports).
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
 
 
 class PassAborted(RuntimeError):
@@ -55,10 +64,18 @@ class LockstepPass:
         self._context = contextvars.copy_context()
         self._grad_enabled = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
+        self._autocast = _autocast_state()
+        self._autocast_cache = torch.is_autocast_cache_enabled()
+        self._default_device = torch.get_default_device()
         # Thread-local CUDA state: the passes compute on the caller's device and stream.
         cuda_ready = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._stream = torch.cuda.current_stream() if cuda_ready else None
         self._thread = threading.Thread(target=self._run, name=f"hf_zo_pass{sign:+d}", daemon=True)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the pass has reported its end (its result or its error)."""
+        return self._ended
 
     def start(self) -> Arrival:
         """Start the pass and return where it first stops."""
@@ -97,8 +114,15 @@ class LockstepPass:
         try:
             if self._stream is not None:
                 torch.cuda.set_device(self._stream.device)
-            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad_enabled), stream:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.inference_mode(self._inference))
+                stack.enter_context(torch.set_grad_enabled(self._grad_enabled))
+                if self._stream is not None:
+                    stack.enter_context(torch.cuda.stream(self._stream))
+                for device_type, dtype in self._autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self._autocast_cache))
+                if self._default_device != torch.get_default_device():
+                    stack.enter_context(torch.device(self._default_device))
                 result = self._context.run(self._closure)
             arrival = Arrival(None, result=result)
         except BaseException as error:  # handed to the coordinator, which re-raises it in the caller's thread
@@ -111,3 +135,18 @@ class LockstepPass:
 def current_pass() -> LockstepPass | None:
     """The pass the calling thread runs, or `None` outside the dual engine's passes."""
     return getattr(_current, "active", None)
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    """The device types for which the calling thread has autocast enabled, with their dtypes."""
+    return [
+        (device_type, torch.get_autocast_dtype(device_type))
+        for device_type in _autocast_device_types()
+        if torch.is_autocast_enabled(device_type)
+    ]
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    # Looked up at each pass: a backend package may rename the private-use backend after import.
+    candidates = (*_AUTOCAST_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())
+    return tuple(t for t in dict.fromkeys(candidates) if torch.amp.is_autocast_available(t))
