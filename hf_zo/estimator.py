@@ -45,6 +45,16 @@ class ZORecord:
         return 0.5 * (self.loss_plus + self.loss_minus)
 
 
+def _drop_stale_casts() -> None:
+    """Forget autocast's cached low-precision copies of the weights after moving them in place.
+
+    Inside one `torch.autocast` region (a loop that wraps `optimizer.step` in it) autocast casts each trainable
+    weight once and reuses the cast until the region ends, so a forward after a sweep would read the weights as they
+    were before it: the ``-eps`` forward would see the ``+eps`` weights.
+    """
+    torch.clear_autocast_cache()
+
+
 class LazyParameters:
     """Trainable tensors, each with its stable noise index, and the update still pending on them.
 
@@ -89,6 +99,7 @@ class LazyParameters:
     def flush(self) -> None:
         """Apply everything pending, so the tensors hold their true values (before eval, save, or end)."""
         self.noise.apply_(self.tensors, self.take_pending())
+        _drop_stale_casts()
 
     def discard_pending(self) -> None:
         """Forget the pending update (after the tensors were overwritten, e.g. by loading a checkpoint)."""
@@ -187,6 +198,7 @@ class SPSAEstimator:
         self.params.discard_pending()
         for (_, tensor), saved in zip(self.params.tensors, snapshot):
             tensor.data.copy_(saved)
+        _drop_stale_casts()
 
 
 def make_record(

@@ -93,3 +93,23 @@ def test_non_finite_loss_is_dropped_and_parameters_restored(caplog):
     assert record is None
     assert "Non-finite loss" in caplog.text
     torch.testing.assert_close(theta, before, rtol=1e-6, atol=1e-6)
+
+
+def test_estimates_inside_one_autocast_region_read_the_moved_weights():
+    """A loop that wraps several steps in one `torch.autocast` gets the estimates of a loop that leaves autocast's
+    weight cache off: every forward reads the weights as the sweeps left them, not a cast cached before them."""
+    from hf_zo.optim import ZOSGD
+
+    batch = torch.arange(2, 18).view(2, 8)
+
+    def records(cache_enabled):
+        model = tiny_causal_lm("opt").eval()
+        optimizer = ZOSGD(model.parameters(), lr=1e-2, eps=1e-2)
+        seen = []
+        optimizer.register_update_hook(lambda opt, step, seeds, records: seen.extend(records))
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+            for _ in range(3):
+                optimizer.step(lambda: model(input_ids=batch, labels=batch).loss)
+        return [(r.loss_plus, r.loss_minus) for r in seen]
+
+    assert records(cache_enabled=True) == records(cache_enabled=False)
