@@ -138,6 +138,7 @@ class ZOConfig(TrainingArguments):
             Keep the blocks in `"cpu"` memory (pinned when CUDA is available) or on `"disk"` (memory-mapped
             safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
             `zo_optimizer="zo_sgd"` (whose updates wait until each block arrives). The other modules stay resident.
+            `bf16_full_eval`/`fp16_full_eval` are refused with it (use `bf16=True`).
         zo_offload_dir (`str`, *optional*):
             Directory of the `"disk"` tier (default: the system's temporary directory), created if missing. The
             block files go in a new, uniquely named folder of their own inside it (`hf_zo-offload-XXXXXXXX`, one per
@@ -333,6 +334,13 @@ class ZOConfig(TrainingArguments):
             )
         if self.zo_offload_dir is not None and self.zo_offload != "disk":
             raise ValueError(f"zo_offload_dir is only used by zo_offload='disk', got zo_offload={self.zo_offload!r}.")
+        if self.bf16_full_eval or self.fp16_full_eval:
+            flag = "bf16_full_eval" if self.bf16_full_eval else "fp16_full_eval"
+            raise ValueError(
+                f"{flag}=True casts the model for evaluation, but zo_offload={self.zo_offload!r} keeps the blocks' "
+                "fp32 training copies in its storage tier, which a cast cannot reach. Drop it (bf16=True evaluates "
+                "under bf16 autocast, which works with offload), or load the model in the dtype to evaluate in."
+            )
         if not isinstance(self.zo_offload_prefetch, int) or self.zo_offload_prefetch < 0:
             raise ValueError(f"zo_offload_prefetch must be an integer >= 0, got {self.zo_offload_prefetch!r}.")
         if self.zo_offload_dtype is not None and self.zo_offload_dtype not in OFFLOAD_DTYPES:

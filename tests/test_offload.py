@@ -207,11 +207,11 @@ def test_conversions_that_keep_the_blocks_dtype_still_apply(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, resident(input_ids=ids).logits)
 
 
-def test_trainer_evaluate_with_bf16_full_eval_names_the_flag(tmp_path):
-    args = _args(tmp_path, zo_engine="dual", zo_offload="cpu", bf16_full_eval=True)
-    trainer = ZOTrainer(model=_model(False), args=args, train_dataset=lm_dataset(4), eval_dataset=lm_dataset(4))
-    with pytest.raises(RuntimeError, match=r"drop the flag \(bf16=True evaluates under bf16 autocast instead\)"):
-        trainer.evaluate()
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+def test_full_eval_casts_with_offload_are_refused_at_construction(tmp_path, flag):
+    """Refused before the model is touched: a cast inside `Trainer.evaluate` would fail half-way through the model."""
+    with pytest.raises(ValueError, match=rf"{flag}=True casts the model .* zo_offload='cpu' .*\(bf16=True evaluates"):
+        _args(tmp_path, zo_engine="dual", zo_offload="cpu", **{flag: True})
 
 
 def test_offload_config_errors():
