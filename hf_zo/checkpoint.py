@@ -64,19 +64,45 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
+REPLACED_SUFFIX = ".replaced"
+"""Suffix of the name an older checkpoint of the same step holds while `publish_checkpoint` replaces it."""
+
+
 def publish_checkpoint(staged: str | os.PathLike, final: str | os.PathLike) -> None:
     """Move the complete checkpoint `staged` to `final` atomically (replacing an older `final` of the same name)."""
     staged, final = Path(staged), Path(final)
     _fsync_tree(staged)
     replaced = None
     if final.exists():
-        replaced = final.with_name(final.name + ".replaced")
+        replaced = final.with_name(final.name + REPLACED_SUFFIX)
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
     os.replace(staged, final)
     _fsync_dir(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+def clean_interrupted_saves(run_dir: str | os.PathLike) -> None:
+    """Clear what saves killed part-way left in `run_dir`, so that no later push or resume picks it up.
+
+    The staging folder and a model save's temporary folder hold only files that were never published: removed.
+    A `checkpoint-N.replaced` folder is the complete older checkpoint of step N, left by a `publish_checkpoint`
+    killed between its two renames. If `checkpoint-N` is missing the new one never moved in: the older one is
+    renamed back, so it is resumable again (and not counted as an extra checkpoint by the rotation, whose pattern it
+    matches). Otherwise the new one is in place and the older copy is removed, as the publish would have done.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    for unpublished in (STAGING_DIR_NAME, SAVE_TMP_DIR_NAME):
+        shutil.rmtree(run_dir / unpublished, ignore_errors=True)
+    for replaced in sorted(run_dir.glob(f"checkpoint-*{REPLACED_SUFFIX}")):
+        final = replaced.with_name(replaced.name[: -len(REPLACED_SUFFIX)])
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.replace(replaced, final)
 
 
 def replace_files_atomically(source: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -36,6 +36,7 @@ from .checkpoint import (
     OPTIMIZER_STATE_NAME,
     SAVE_TMP_DIR_NAME,
     check_resumable,
+    clean_interrupted_saves,
     publish_checkpoint,
     replace_files_atomically,
     staging_dir,
@@ -259,7 +260,9 @@ class ZOTrainer(Trainer):
         groups[False]["weight_decay"] = 0.0
         param_groups = [g for g in groups.values() if g["params"]]
         fill_method_defaults(self.args, model)  # a model from `model_init`
-        self.optimizer = build_zo_optimizer(self.args, param_groups)
+        # Offloaded blocks rest on the CPU but are perturbed where they compute: the noise follows that device.
+        working = self.zo_offloader.device.type if self.zo_offloader is not None else None
+        self.optimizer = build_zo_optimizer(self.args, param_groups, device_type=working)
         self.zo_plugin.prepare_optimizer(self.optimizer)
         self._attach_zo_engine(self.optimizer)
         self._record_global_step(self.optimizer)
@@ -400,6 +403,9 @@ class ZOTrainer(Trainer):
         self.zo_heads.close()
         if self.zo_heads in self.callback_handler.callbacks:
             self.remove_callback(self.zo_heads)
+        if self.args.should_save:
+            clean_interrupted_saves(self.args.output_dir)
+        self.accelerator.wait_for_everyone()
         if resume_from_checkpoint:
             checkpoint = resume_from_checkpoint
             if checkpoint is True:
@@ -494,7 +500,7 @@ class ZOTrainer(Trainer):
         run_dir = super()._get_output_dir(trial)
         staging = staging_dir(run_dir)
         if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)  # left by a killed save: never published, incomplete
+            clean_interrupted_saves(run_dir)  # a killed save's staged files: never published, incomplete
         self.accelerator.wait_for_everyone()
         self._zo_staging = True
         try:
@@ -581,16 +587,19 @@ class ZOTrainer(Trainer):
         super().create_model_card(*args, tags=tags, **kwargs)
 
 
-def build_zo_optimizer(args: ZOConfig, param_groups: list[dict]) -> ZOOptimizer:
-    """Instantiate the optimizer named by `args.zo_optimizer` with the hyper-parameters of `args`."""
+def build_zo_optimizer(args: ZOConfig, param_groups: list[dict], device_type: str | None = None) -> ZOOptimizer:
+    """Instantiate the optimizer named by `args.zo_optimizer` with the hyper-parameters of `args`.
+
+    `device_type` is where the parameters are perturbed, which `zo_noise_algorithm="auto"` follows (default: where
+    the first parameter lives; offloaded blocks rest elsewhere).
+    """
     cls = ZO_OPTIMIZERS[args.zo_optimizer]
+    device_type = device_type or param_groups[0]["params"][0].device.type
     kwargs = dict(
         lr=args.learning_rate,
         eps=args.zo_eps,
         weight_decay=args.weight_decay,
-        noise=Noise(
-            args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=param_groups[0]["params"][0].device.type
-        ),
+        noise=Noise(args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=device_type),
         num_perturbations=args.zo_num_perturbations,
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,

@@ -210,3 +210,45 @@ def test_a_file_resuming_reads_is_still_loaded_as_its_loader_loads_it(checkpoint
     torch.save({"ema": Ema(0.999, 10)}, checkpoint_folder / "zo_head_optimizer.pt")
     with pytest.raises(ValueError, match="zo_head_optimizer.pt is damaged or truncated"):
         check_resumable(checkpoint_folder)
+
+
+def test_what_killed_saves_left_is_cleared_and_an_older_checkpoint_restored(tmp_path):
+    """Unpublished folders are removed; a `.replaced` checkpoint is renamed back when its step has no checkpoint
+    (killed between the publish's two renames) and removed when the new one is in place."""
+    from hf_zo.checkpoint import clean_interrupted_saves
+
+    run = tmp_path / "run"
+    for folder, file in [
+        (".zo-staging/checkpoint-6", "optimizer.pt"),
+        (".zo-save-tmp", "model.safetensors"),
+        ("checkpoint-2.replaced", "older"),
+        ("checkpoint-4", "newer"),
+        ("checkpoint-4.replaced", "older"),
+    ]:
+        (run / folder).mkdir(parents=True)
+        (run / folder / file).write_text(folder)
+
+    clean_interrupted_saves(run)
+
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert (run / "checkpoint-2" / "older").read_text() == "checkpoint-2.replaced"
+    assert (run / "checkpoint-4" / "newer").read_text() == "checkpoint-4"
+
+
+def test_resuming_after_a_publish_killed_half_way_finds_the_older_checkpoint(tmp_path, monkeypatch):
+    args = zo_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    ZOTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset()).train()
+    out = tmp_path / "out"
+    os.replace(out / "checkpoint-4", out / "checkpoint-4.replaced")  # the older copy, its successor never moved in
+    (out / ".zo-staging" / "checkpoint-4").mkdir(parents=True)
+    checked = []
+    monkeypatch.setattr(hf_zo.trainer, "check_resumable", checked.append)
+
+    trainer = ZOTrainer(model=tiny_causal_lm(), args=zo_args(tmp_path, max_steps=4), train_dataset=lm_dataset())
+    trainer.train(resume_from_checkpoint=True)
+
+    assert checked == [str(out / "checkpoint-4")]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".zo-", "checkpoint-"))) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]

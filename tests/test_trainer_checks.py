@@ -102,3 +102,14 @@ def test_batch_rebalance_with_perturbation_parallelism_fails_at_construction(tmp
     args = zo_args(tmp_path, train_sampling_strategy="batch_rebalance")
     with pytest.raises(ValueError, match="or set zo_perturbation_parallel_size=1"):
         ZOTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_dataset(8))
+
+
+def test_the_noise_follows_the_device_offloaded_blocks_compute_on(tmp_path):
+    """Offloaded blocks rest in CPU memory; `zo_noise_algorithm="auto"` must pick the generator of the device they
+    are perturbed on (torch's on a GPU), not of where they rest."""
+    from hf_zo.trainer import build_zo_optimizer
+
+    groups = [{"params": [nn.Parameter(torch.zeros(4))], "weight_decay": 0.0}]  # at rest on the CPU
+    args = zo_args(tmp_path, zo_noise_algorithm="auto")
+    assert build_zo_optimizer(args, groups, device_type="cuda").noise.algorithm == "torch"
+    assert build_zo_optimizer(args, groups).noise.algorithm == build_zo_optimizer(args, groups, "cpu").noise.algorithm
