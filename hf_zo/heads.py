@@ -591,11 +591,12 @@ def _check_probe_fits(model: nn.Module) -> None:
         )
 
 
-def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) -> ZOHeads:
+def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None, fit_probe: bool = True) -> ZOHeads:
     """Apply `trainer.args.zo_head_*` to `trainer.model` at the start of training.
 
-    Fits the linear probe (unless resuming: the checkpoint holds the head) and sets up the first-order head, whose
-    parameters `ZOTrainer.create_optimizer` then leaves out of the ZO parameter set.
+    Fits the linear probe (unless resuming, as the checkpoint holds the head, or `fit_probe` is `False`, as for a
+    head an earlier `train()` call fitted and trained) and sets up the first-order head, whose parameters
+    `ZOTrainer.create_optimizer` then leaves out of the ZO parameter set.
 
     Returns:
         `ZOHeads`: registered as a callback of `trainer`.
@@ -607,7 +608,7 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None) 
     heads = find_head_modules(model, args.zo_head_modules)
     if (mismatch := pooling_mismatch(model)) is not None:
         logger.warning(mismatch)
-    if head_init == "linear_probe" and not resume_from_checkpoint:
+    if head_init == "linear_probe" and fit_probe and not resume_from_checkpoint:
         _check_probe_fits(model)
         if trainer.train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")

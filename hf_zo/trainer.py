@@ -164,6 +164,7 @@ class ZOTrainer(Trainer):
         self._zo_log_grads: list[float] = []
         self._zo_log_skipped = 0
         self.zo_heads = ZOHeads()
+        self._zo_probed_model = None  # the model whose head `train()` has fitted (see `zo_head_init`)
 
     # ------------------------------------------------------------------ model
 
@@ -412,7 +413,11 @@ class ZOTrainer(Trainer):
                 checkpoint = get_last_checkpoint(self.args.output_dir)
             if checkpoint is not None and os.path.isdir(checkpoint):  # else Trainer names what is missing
                 check_resumable(checkpoint)
-        self.zo_heads = prepare_zo_heads(self, resume_from_checkpoint)
+        # A head is fitted once per model: a later train() call goes on from the head trained so far (refitting it
+        # would also move weights outside the trajectory that the run records across calls).
+        fit_probe = self._zo_probed_model is not self.model
+        self.zo_heads = prepare_zo_heads(self, resume_from_checkpoint, fit_probe=fit_probe)
+        self._zo_probed_model = self.model
         try:
             self._check_optimizer_leaves_out_heads()
         except ValueError:
@@ -687,7 +692,25 @@ def _follow_process_log_level(args: ZOConfig) -> None:
 
 
 def _to_zo_config(args: TrainingArguments) -> ZOConfig:
+    """`args` as a `ZOConfig`, keeping every value; warns about the ones left at `TrainingArguments`' defaults for
+    first-order training where `ZOConfig`'s differ (a set value cannot be told from a default, so both are kept)."""
     init_fields = {f.name for f in dataclasses.fields(ZOConfig) if f.init}
     values = {k: v for k, v in args.to_dict().items() if k in init_fields}
     values["hub_token"] = args.hub_token
+    first_order_defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments) if f.init}
+    zo_defaults = {f.name: f.default for f in dataclasses.fields(ZOConfig) if f.init}
+    kept = [
+        f"{name}={values[name]!r} (ZOConfig's default: {zo_defaults[name] or 'chosen by what the model trains'!r})"
+        for name in ("learning_rate", "lr_scheduler_type", "max_grad_norm", "train_sampling_strategy")
+        if name in values
+        and values[name] == first_order_defaults.get(name)
+        and first_order_defaults.get(name) != zo_defaults.get(name)
+    ]
+    if kept:
+        logger.warning(
+            "ZOTrainer was given a TrainingArguments and keeps its values, among them %s, which are "
+            "TrainingArguments' defaults for first-order training (a learning rate of 5e-5 diverges for all weights "
+            "under ZO). Pass a ZOConfig to get the ZO defaults, or set these values explicitly.",
+            ", ".join(kept),
+        )
     return ZOConfig(**values)

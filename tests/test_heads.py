@@ -259,6 +259,25 @@ def test_linear_probe_and_evaluation_keep_their_own_data_with_persistent_workers
     assert len(trainer.get_eval_dataloader().dataset) == 7
 
 
+def test_the_head_is_probed_once_per_model_across_train_calls(monkeypatch):
+    """A second `train()` goes on from the head trained so far; a model rebuilt by `model_init` is probed anew."""
+    import hf_zo.heads
+
+    probes = []
+    monkeypatch.setattr(hf_zo.heads, "fit_linear_probe", lambda *args, **kwargs: probes.append(1) or 1.0)
+    args = ZOConfig(
+        output_dir="unused", max_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True
+    )
+    trainer = ZOTrainer(model=tiny_bert_classifier(), args=args, train_dataset=classification_dataset(8))
+    trainer.train()
+    trainer.train()
+    assert len(probes) == 1
+    rebuilt = ZOTrainer(model_init=lambda: tiny_bert_classifier(), args=args, train_dataset=classification_dataset(8))
+    rebuilt.train()
+    rebuilt.train()
+    assert len(probes) == 3
+
+
 def test_first_order_head_gets_exact_gradients_and_body_none():
     model = tiny_bert_classifier().eval()
     batch = next(batches_of(classification_dataset(8)))

@@ -144,6 +144,34 @@ def test_plain_training_arguments_are_converted(tmp_path):
     assert trainer.args.zo_eps == 1e-3
 
 
+def test_first_order_defaults_of_plain_training_arguments_are_named(tmp_path, caplog):
+    """Values left at `TrainingArguments`' first-order defaults are kept, with a warning naming each and ZO's."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    common = dict(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    with caplog.at_level(logging.WARNING, logger="hf_zo.trainer"):
+        set_for_zo = TrainingArguments(
+            **common,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            train_sampling_strategy="group_by_length",
+        )
+        ZOTrainer(model=tiny_causal_lm("opt"), args=set_for_zo, train_dataset=lm_dataset(4))
+        assert "TrainingArguments' defaults" not in caplog.text
+        trainer = ZOTrainer(model=tiny_causal_lm("opt"), args=TrainingArguments(**common), train_dataset=lm_dataset(4))
+    assert trainer.args.learning_rate == 5e-5
+    for kept in (
+        "learning_rate=5e-05",
+        "lr_scheduler_type='linear' (ZOConfig's default: 'constant')",
+        "max_grad_norm=1.0",
+        "train_sampling_strategy='random'",
+    ):
+        assert kept in caplog.text, kept
+
+
 def _classifier_run(tmp_path, trainer_class=ZOTrainer, **kwargs):
     from tiny_models import classification_dataset, tiny_bert_classifier
 
