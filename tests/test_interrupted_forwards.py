@@ -10,17 +10,8 @@ from hf_zo.estimator import LazyParameters, SPSAEstimator
 from hf_zo.noise import Noise
 from hf_zo.optim import ZO_OPTIMIZERS, ZOSGD
 
-from tiny_models import lm_dataset, tiny_causal_lm, zo_args
+from tiny_models import OPTIMIZER_HYPERPARAMETERS, lm_dataset, tiny_causal_lm, zo_args
 
-HYPER = {
-    "zo_sgd": dict(lr=0.02),
-    "zo_sgd_momentum": dict(lr=0.005, momentum=0.9),
-    "zo_sgd_sign": dict(lr=0.01),
-    "zo_sgd_cons": dict(lr=0.02),
-    "zo_adam": dict(lr=0.05),
-    "lozo": dict(lr=0.02),
-    "hizoo": dict(lr=0.02, hessian_smooth=1e-3),
-}
 FORWARDS_PER_STEP = {"hizoo": 3, "zo_sgd_cons": 5}  # loss at theta first; conservative: + three candidates
 CASES = [(name, k) for name in sorted(ZO_OPTIMIZERS) for k in range(1, FORWARDS_PER_STEP.get(name, 2) + 1)]
 
@@ -50,7 +41,12 @@ def _problem():
 def test_a_failed_step_leaves_the_weights_where_they_were_and_training_goes_on(name, failing_forward):
     def make():
         weight, bias, loss = _problem()
-        return weight, bias, loss, ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=1, **HYPER[name])
+        return (
+            weight,
+            bias,
+            loss,
+            ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=1, **OPTIMIZER_HYPERPARAMETERS[name]),
+        )
 
     # Reference: one step, whose update (and restore) is still pending when the next step starts.
     weight, bias, loss, optimizer = make()

@@ -6,15 +6,7 @@ import torch
 from hf_zo.noise import Noise
 from hf_zo.optim import ZO_OPTIMIZERS, ZOSGD
 
-HYPER = {
-    "zo_sgd": dict(lr=0.02),
-    "zo_sgd_momentum": dict(lr=0.005, momentum=0.9),
-    "zo_sgd_sign": dict(lr=0.01),
-    "zo_sgd_cons": dict(lr=0.02),
-    "zo_adam": dict(lr=0.05),
-    "lozo": dict(lr=0.02),
-    "hizoo": dict(lr=0.02, hessian_smooth=1e-3),
-}
+from tiny_models import OPTIMIZER_HYPERPARAMETERS
 
 
 def _problem(seed=0):
@@ -28,7 +20,7 @@ def _problem(seed=0):
 @pytest.mark.parametrize("name", sorted(ZO_OPTIMIZERS))
 def test_plain_loop_decreases_the_loss(name):
     weight, bias, loss = _problem()
-    optimizer = ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=1, **HYPER[name])
+    optimizer = ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=1, **OPTIMIZER_HYPERPARAMETERS[name])
     start = loss().item()
     for _ in range(300):
         optimizer.step(loss)
@@ -40,7 +32,9 @@ def test_plain_loop_decreases_the_loss(name):
 def test_state_dict_round_trip_resumes_bitwise(name):
     def run(split):
         weight, bias, loss = _problem()
-        optimizer = ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=3, num_perturbations=2, **HYPER[name])
+        optimizer = ZO_OPTIMIZERS[name](
+            [weight, bias], eps=1e-3, seed=3, num_perturbations=2, **OPTIMIZER_HYPERPARAMETERS[name]
+        )
         for step in range(12):
             if step == split:
                 optimizer.flush()
@@ -50,7 +44,9 @@ def test_state_dict_round_trip_resumes_bitwise(name):
                 with torch.no_grad():
                     weight.copy_(saved[0])
                     bias.copy_(saved[1])
-                optimizer = ZO_OPTIMIZERS[name]([weight, bias], eps=1e-3, seed=99, num_perturbations=2, **HYPER[name])
+                optimizer = ZO_OPTIMIZERS[name](
+                    [weight, bias], eps=1e-3, seed=99, num_perturbations=2, **OPTIMIZER_HYPERPARAMETERS[name]
+                )
                 optimizer.load_state_dict(state)
             optimizer.step(loss)
         optimizer.flush()
@@ -150,7 +146,7 @@ def test_noise_cache_is_bitwise_equal_to_regeneration(name):
     for cache in (False, True):
         weight, bias, loss = _problem()
         optimizer = ZO_OPTIMIZERS[name](
-            [weight, bias], eps=1e-3, num_perturbations=2, cache_noise=cache, **HYPER[name]
+            [weight, bias], eps=1e-3, num_perturbations=2, cache_noise=cache, **OPTIMIZER_HYPERPARAMETERS[name]
         )
         for _ in range(6):
             optimizer.step(loss)
@@ -168,7 +164,7 @@ def test_frozen_parameters_are_left_alone_and_numbered_out(name):
         weight, bias, loss = _problem()
         frozen = [torch.nn.Parameter(torch.ones(5), requires_grad=False) for _ in range(2)]
         params = [frozen[0], weight, frozen[1], bias] if pass_frozen else [weight, bias]
-        optimizer = ZO_OPTIMIZERS[name](params, eps=1e-3, seed=1, **HYPER[name])
+        optimizer = ZO_OPTIMIZERS[name](params, eps=1e-3, seed=1, **OPTIMIZER_HYPERPARAMETERS[name])
         for _ in range(5):
             optimizer.step(lambda: loss() + frozen[0].sum() + frozen[1].sum())
         optimizer.flush()

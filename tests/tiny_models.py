@@ -19,6 +19,17 @@ from transformers import (
 
 VOCAB = 64
 
+OPTIMIZER_HYPERPARAMETERS = {
+    "zo_sgd": dict(lr=0.02),
+    "zo_sgd_momentum": dict(lr=0.005, momentum=0.9),
+    "zo_sgd_sign": dict(lr=0.01),
+    "zo_sgd_cons": dict(lr=0.02),
+    "zo_adam": dict(lr=0.05),
+    "lozo": dict(lr=0.02),
+    "hizoo": dict(lr=0.02, hessian_smooth=1e-3),
+}
+"""Learning rates (and more) of each `hf_zo.optim` optimizer at which the tests' small problems descend."""
+
 
 def tiny_causal_lm(family: str = "opt", seed: int = 0) -> torch.nn.Module:
     """A 2-layer causal LM of the given family with random weights."""
