@@ -20,6 +20,14 @@ INPUT_IDS = torch.tensor([[2, 5, 9, 11, 7, 3], [2, 8, 6, 0, 0, 0]])
 ATTENTION_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
 
 
+def _assert_same_logits(model, other):
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+            other(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
+        )
+
+
 def hand_pooled(encoder_dir, mode: str) -> torch.Tensor:
     hidden = AutoModel.from_pretrained(encoder_dir)(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK)[0]
     rows = []
@@ -89,11 +97,7 @@ def test_save_and_auto_class_reload_are_exact(tmp_path):
     state, reloaded_state = model.state_dict(), reloaded.state_dict()
     assert state.keys() == reloaded_state.keys()
     assert all(torch.equal(state[k], reloaded_state[k]) for k in state)
-    with torch.no_grad():
-        assert torch.equal(
-            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-        )
+    _assert_same_logits(model, reloaded)
     # A saved pooled classifier is not a sentence-transformers checkpoint any more: it loads as itself.
     assert type(load_sequence_classifier(tmp_path / "saved")) is PooledEncoderForSequenceClassification
 
@@ -130,11 +134,7 @@ def test_lora_with_head_in_modules_to_save_trains_saves_and_reloads(tmp_path):
     base = load_sequence_classifier(tmp_path / "encoder", num_labels=2)
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
     model.eval()
-    with torch.no_grad():
-        assert torch.equal(
-            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-        )
+    _assert_same_logits(model, reloaded)
 
 
 def test_prompt_tuning_needs_no_sizes_and_pools_over_the_virtual_tokens(tmp_path):
@@ -170,11 +170,7 @@ def test_prompt_tuning_needs_no_sizes_and_pools_over_the_virtual_tokens(tmp_path
         load_sequence_classifier(tmp_path / "encoder", num_labels=2), tmp_path / "adapter"
     )
     model.eval()
-    with torch.no_grad():
-        assert torch.equal(
-            model(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-            reloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-        )
+    _assert_same_logits(model, reloaded)
 
 
 def test_unknown_pooling_mode_fails_at_construction():
@@ -344,11 +340,7 @@ def test_device_map_keeps_the_head_with_the_encoder(tmp_path):
     torch.manual_seed(0)
     placed = load_sequence_classifier(tmp_path, num_labels=2, device_map="cpu")
     assert placed.classifier.weight.device == placed.encoder.device
-    with torch.no_grad():
-        assert torch.equal(
-            plain(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-            placed(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-        )
+    _assert_same_logits(plain, placed)
 
 
 def test_an_offloaded_encoder_computes_saves_and_reloads_exactly(tmp_path):
@@ -363,11 +355,7 @@ def test_an_offloaded_encoder_computes_saves_and_reloads_exactly(tmp_path):
         tmp_path / "encoder", num_labels=2, device_map=device_map, offload_folder=str(tmp_path / "offload")
     )
     assert offloaded.hf_device_map == {"encoder.embeddings": "cpu", "encoder.encoder": "disk", "classifier": "cpu"}
-    with torch.no_grad():
-        assert torch.equal(
-            plain(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-            offloaded(input_ids=INPUT_IDS, attention_mask=ATTENTION_MASK).logits,
-        )
+    _assert_same_logits(plain, offloaded)
     offloaded.save_pretrained(tmp_path / "saved")
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
     state, reloaded_state = plain.state_dict(), reloaded.state_dict()
