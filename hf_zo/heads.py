@@ -480,6 +480,11 @@ class FirstOrderHead:
         self._micro_batches = []
         self._num_forwards = 0
 
+    def discard_step(self) -> None:
+        """Drop the gradients gathered since the last :meth:`step` (an accumulation cut short)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._forwards, self._micro_batches, self._num_forwards = [], [], 0
+
     def _take_gradients(self) -> Gradients:
         gradients = [p.grad for p in self.params]
         for p in self.params:
@@ -523,6 +528,12 @@ class ZOHeads(TrainerCallback):
     def on_optimizer_step(self, args, state, control, lr_scheduler=None, optimizer=None, **kwargs):
         if self.first_order is not None:
             self.first_order.step(schedule_scale(lr_scheduler, optimizer, args.learning_rate))
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        # Gradients left at an epoch's end come from a stop between two optimizer steps: dropped, as the ZO
+        # optimizer drops that partial step's records (`ZOFlushCallback`).
+        if self.first_order is not None:
+            self.first_order.discard_step()
 
     def save_checkpoint(self, checkpoint: str) -> None:
         """Write the first-order head's AdamW state into the checkpoint folder `checkpoint` (nothing if no head trains

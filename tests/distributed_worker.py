@@ -114,6 +114,18 @@ class HangAtStep(TrainerCallback):
             time.sleep(600)
 
 
+class StopInSecondStep(TrainerCallback):
+    """Stops training after `micro_batches` micro-batches of the second optimizer step's accumulation."""
+
+    def __init__(self, micro_batches: int):
+        self.left = micro_batches
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.left -= 1
+            control.should_training_stop = self.left == 0
+
+
 def train(
     out: Path,
     name: str,
@@ -220,6 +232,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["bert_first_order_accumulate2"] = train(
             out, "bert_first_order_accumulate2", tiny_bert_classifier(), accumulation=2, **FIRST_ORDER_HEAD
         )
+        # Each rank's first micro-batch of step 2: global micro-batches 0 and 1, then the step is discarded.
+        runs["stopped"] = train(out, "stopped", tiny_causal_lm("opt"), accumulation=2, callbacks=[StopInSecondStep(1)])
         runs["ragged"] = train(out, "ragged", tiny_causal_lm("opt"), save_steps=7, **RAGGED)
         checkpoint = str(out / "ragged" / "checkpoint-7")
         runs["ragged_resumed"] = train(out, "ragged_resumed", tiny_causal_lm("opt"), resume=checkpoint, **RAGGED)
@@ -232,6 +246,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
         runs["ragged_accumulate2"] = train(out, "ragged_acc", tiny_causal_lm("opt"), accumulation=2, **RAGGED)
+        runs["stopped_accumulate4"] = train(
+            out, "stopped_acc", tiny_causal_lm("opt"), accumulation=4, callbacks=[StopInSecondStep(2)]
+        )
         for accumulation in (1, 2, 4):
             runs[f"bert_first_order_accumulate{accumulation}"] = train(
                 out,

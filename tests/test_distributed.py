@@ -113,6 +113,7 @@ def test_perturbation_parallel_equals_one_process_doing_both_forwards(pertp2, re
         ("lozo", "lozo_accumulate2"),
         ("hizoo", "hizoo_accumulate2"),
         ("ragged", "ragged_accumulate2"),  # batches grouped by length over the global batch
+        ("stopped", "stopped_accumulate4"),  # a callback stops training in step 2's accumulation
     ],
 )
 def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, reference_run):
@@ -120,6 +121,14 @@ def test_data_parallel_equals_gradient_accumulation(dp2, reference, run, referen
     # batches and record order as one process accumulating 2 micro-batches, so no tolerance is needed.
     for rank in dp2:
         _assert_bitwise_equal(rank["runs"][run]["params"], reference[reference_run]["params"])
+
+
+@pytest.mark.multiprocess
+def test_a_stop_in_an_accumulation_discards_the_step_on_every_rank(dp2, reference):
+    # Step 2 is recorded without an update: the seeds of global micro-batches 0 and 1, swept, and no records.
+    for results in (*(rank["runs"]["stopped"] for rank in dp2), reference["stopped_accumulate4"]):
+        steps = list(ZOTrajectory.from_bytes(results["trajectory"]).steps())
+        assert len(steps) == 2 and steps[1].records == [] and len(steps[1].seeds) == 2
 
 
 @pytest.mark.multiprocess
@@ -153,11 +162,13 @@ def test_first_order_head_runs_differ_with_their_accumulation(reference):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk", "hizoo"])
+@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk", "hizoo", "stopped"])
 def test_trajectory_of_a_data_parallel_run_replays_in_one_process(dp2, run):
     # Each rank records the perturbations of every rank, in global order, so one process replays the whole run.
     base = (
-        tiny_causal_lm("opt") if run in ("full", "disk", "hizoo") else distributed_worker.lora(tiny_causal_lm("llama"))
+        tiny_causal_lm("opt")
+        if run in ("full", "disk", "hizoo", "stopped")
+        else distributed_worker.lora(tiny_causal_lm("llama"))
     )
     model = replay(base, ZOTrajectory.from_bytes(dp2[0]["runs"][run]["trajectory"]))
     trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}

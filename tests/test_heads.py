@@ -10,6 +10,7 @@ from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.heads import (
     PROBE_L2_GRID,
     FirstOrderHead,
+    ZOHeads,
     collect_head_inputs,
     cross_validated_l2,
     find_head_modules,
@@ -295,6 +296,22 @@ def test_first_order_head_gets_exact_gradients_and_body_none():
     # Outside capture() the hooks are inert: a no-grad forward builds no graph.
     with torch.no_grad():
         assert not model(**batch).loss.requires_grad
+    trainer.close()
+
+
+def test_a_discarded_step_leaves_the_first_order_head_as_it_was():
+    """A stop between two optimizer steps drops the head's gradients of that partial step, as the ZO records."""
+    model = tiny_bert_classifier().eval()
+    batch = next(batches_of(classification_dataset(8)))
+    params = [p for n, p in model.named_parameters() if n.startswith("classifier.")]
+    before = [p.detach().clone() for p in params]
+    trainer = FirstOrderHead(find_head_modules(model), params, lr=1e-2)
+    with torch.no_grad(), trainer.capture():
+        trainer.backward(model(**batch).loss)
+    trainer.end_micro_batch()
+    ZOHeads(["classifier"], first_order=trainer).on_epoch_end(None, None, None)
+    trainer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
     trainer.close()
 
 

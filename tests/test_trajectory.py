@@ -27,7 +27,7 @@ from peft import (
     get_peft_model,
 )
 from safetensors.torch import load_file
-from transformers import BertForSequenceClassification, OPTForCausalLM
+from transformers import BertForSequenceClassification, OPTForCausalLM, TrainerCallback
 
 from hf_zo import (
     TRAJECTORY_NAME,
@@ -124,6 +124,39 @@ def test_replay_of_resumed_run_is_bitwise_the_training(tmp_path, use_lora):
     replayed = replay(base, trajectory)
     assert replayed is base
     _assert_bitwise(_trainable(base), trained)
+
+
+class _StopInSecondStep(TrainerCallback):
+    """Stops training after the first micro-batch of the second optimizer step."""
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            control.should_training_stop = True
+
+
+def test_a_stop_between_two_steps_saves_a_checkpoint_that_resumes_and_replays(tmp_path, caplog):
+    """Trainer leaves a partial accumulation's gradients unused: the ZO step is discarded, so the epoch's checkpoint
+    can be written, and its sweeps stay in the trajectory (a step without an update), which replays bitwise."""
+    base = tiny_causal_lm("opt")
+    by_epoch = dict(max_steps=-1, num_train_epochs=1, save_strategy="epoch")
+    stopped = ZOTrainer(
+        model=copy.deepcopy(base),
+        args=_args(tmp_path / "a", **by_epoch),
+        train_dataset=lm_dataset(16, length=8),
+        callbacks=[_StopInSecondStep()],
+    )
+    stopped.train()
+    assert "the 2 ZO estimates of that partial step are discarded" in caplog.text
+    assert stopped.state.global_step == 1 and stopped.zo_optimizer.zo_step == 2
+    trajectory = ZOTrajectory.load(tmp_path / "a" / "checkpoint-1")
+    partial = list(trajectory.steps())[1]
+    assert len(partial.seeds) == 2 and partial.records == []
+    replay(copy.deepcopy(base), trajectory)  # verifies the checkpoint's weights against the end checksum
+
+    resumed = _train(copy.deepcopy(base), tmp_path / "a", str(tmp_path / "a" / "checkpoint-1"), max_steps=3)
+    assert resumed.state.global_step == 3 and resumed.zo_optimizer.zo_step == 4
+    replayed = replay(base, tmp_path / "a")
+    _assert_bitwise(_trainable(replayed), _trainable(resumed.model))
 
 
 def test_resume_from_checkpoint_without_trajectory_records_from_there(tmp_path):

@@ -286,6 +286,25 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.zo_step += 1
         return loss
 
+    @property
+    def num_pending_estimates(self) -> int:
+        """The estimates this process has run since the last step (skipped ones included)."""
+        return self._num_estimates
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """End the current step without an update: for an accumulation that is cut short.
+
+        `ZOTrainer` calls it when a callback stops training or the epoch between two optimizer steps (where
+        `Trainer` leaves a first-order run's partial gradients unused). The records kept since the last
+        :meth:`step` are dropped, and the step counter advances as :meth:`step` advances it: the update hooks get the
+        seeds of the estimates that ran (their sweeps moved the parameters by rounding, as skipped estimates' do)
+        with no records, so a trajectory records a step without an update and still replays the weights bitwise,
+        and the next step draws new seeds.
+        """
+        self.records = []
+        self.step()
+
     @abstractmethod
     def _apply_records(self, records: list[ZORecord]) -> None:
         """Turn this step's records into a parameter update. Subclasses implement the method."""
@@ -319,7 +338,10 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def state_dict(self) -> dict:
         """The `torch.optim` state plus the ZO counters (base seed, step, skips) needed for exact resume."""
         if self.records:
-            raise RuntimeError("Cannot save the optimizer in the middle of an accumulation; call step() first.")
+            raise RuntimeError(
+                f"Cannot save the optimizer in the middle of an accumulation ({len(self.records)} records wait for "
+                "step()): call step() first, or discard_step() to drop them."
+            )
         if self.params.has_pending():
             raise RuntimeError(
                 "Cannot save the optimizer while an update is pending: the weights do not hold it yet, so a run "

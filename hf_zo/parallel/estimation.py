@@ -149,6 +149,8 @@ class ParallelEstimation:
         group = self.mesh.dp_group
         curvatures = optimizer.needs_center_loss
         counts = self.collectives.all_gather(torch.tensor([len(records)], dtype=torch.int64), group)
+        if not int(counts.max()):  # a step discarded on every rank (`ZOOptimizer.discard_step`)
+            return []
         rows = torch.zeros((int(counts.max()), _RECORD_FIELDS + curvatures), dtype=torch.int64)
         for i, record in enumerate(records):
             values = [record.projected_grad, record.loss_plus, record.loss_minus]
