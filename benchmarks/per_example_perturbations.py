@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 
 from hf_zo import load_sequence_classifier
 from hf_zo.heads import fit_linear_probe
-from hf_zo.length_grouping import ZOLengthGroupedSampler
+from hf_zo.training import ZOLengthGroupedSampler
 
 MODES = ("shared", "per_example")
 

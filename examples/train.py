@@ -51,10 +51,10 @@ from transformers import (
 from transformers.integrations import get_available_reporting_integrations
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
-from hf_zo.checkpoint import saved_run_files
 from hf_zo.metrics import build_compute_metrics
-from hf_zo.norm_tuning import norm_module_names
+from hf_zo.models import norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
+from hf_zo.training.checkpointing import saved_run_files
 
 ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on every run: nothing to act on
 

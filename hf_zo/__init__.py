@@ -1,16 +1,16 @@
 """hf_zo: zeroth-order fine-tuning for the Hugging Face stack."""
 
-from .config import ZOConfig
 from .estimator import LazyParameters, SPSAEstimator, ZORecord
-from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
-from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, HiZOO, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
-from .parallel import DistZOPlugin
-from .pooled_classifier import (
+from .models import (
     PooledEncoderConfig,
     PooledEncoderForSequenceClassification,
     load_sequence_classifier,
 )
+from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
+from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, HiZOO, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .parallel import DistZOPlugin
 from .trainer import ZOTrainer
+from .training import ZOConfig
 from .trajectory import (
     TRAJECTORY_NAME,
     TrajectoryFormatError,

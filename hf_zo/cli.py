@@ -28,9 +28,9 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import CONFIG_NAME, logging
 
-from .checkpoint import saved_run_files
+from .models import PooledEncoderConfig, PooledEncoderForSequenceClassification
 from .peft_warnings import peft_warnings_ignored
-from .pooled_classifier import PooledEncoderConfig, PooledEncoderForSequenceClassification
+from .training.checkpointing import saved_run_files
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
 from .trajectory.replay import check_replayable, initial_model
 

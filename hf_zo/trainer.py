@@ -31,7 +31,15 @@ from transformers.trainer_utils import (
 )
 from transformers.utils import logging
 
-from .checkpoint import (
+from .engine import DualEngine
+from .heads import ZOHeads, example_lengths, prepare_zo_heads
+from .noise import Noise
+from .optim import ZO_OPTIMIZERS, ZOOptimizer
+from .parallel import DistZOPlugin
+from .parallel.mesh import ZOMesh
+from .parallel.replicas import ReplicaCallback
+from .training import SamplerEpochCallback, ZOConfig, ZOLengthGroupedSampler, fill_method_defaults
+from .training.checkpointing import (
     GLOBAL_STEP_KEY,
     OPTIMIZER_STATE_NAME,
     SAVE_TMP_DIR_NAME,
@@ -41,16 +49,6 @@ from .checkpoint import (
     replace_files_atomically,
     staging_dir,
 )
-from .config import ZOConfig
-from .defaults import fill_method_defaults
-from .engine import DualEngine
-from .heads import ZOHeads, prepare_zo_heads
-from .length_grouping import SamplerEpochCallback, ZOLengthGroupedSampler, example_lengths
-from .noise import Noise
-from .optim import ZO_OPTIMIZERS, ZOOptimizer
-from .parallel import DistZOPlugin
-from .parallel.mesh import ZOMesh
-from .parallel.replicas import ReplicaCallback
 from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 
 logger = logging.get_logger(__name__)
@@ -324,7 +322,7 @@ class ZOTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset=None):
         """`Trainer`'s sampler, except with `train_sampling_strategy="group_by_length"` (`ZOConfig`'s default): a
-        :class:`~hf_zo.length_grouping.ZOLengthGroupedSampler` over the global batch, or random sampling with a
+        :class:`~hf_zo.training.sampling.ZOLengthGroupedSampler` over the global batch, or random sampling with a
         warning when the examples' lengths cannot be read."""
         _check_sampling_fits_layout(self.args, self.zo_plugin.setup())
         dataset = self.train_dataset if train_dataset is None else train_dataset

@@ -339,7 +339,7 @@ def test_demo_option_below_one_ends_in_one_line_naming_it():
 def test_trainers_first_order_optim_is_reported_as_unused(tmp_path, caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="hf_zo.config"):
+    with caplog.at_level(logging.WARNING, logger="hf_zo.training.config"):
         _config(tmp_path)
         assert "optim=" not in caplog.text and "neftune" not in caplog.text
         _config(tmp_path, optim="adafactor")

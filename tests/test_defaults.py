@@ -1,4 +1,4 @@
-"""The learning rate and eps `ZOConfig` leaves unset are chosen by what the model trains (hf_zo.defaults)."""
+"""The learning rate and eps `ZOConfig` leaves unset are chosen by what the model trains (hf_zo.training.defaults)."""
 
 import subprocess
 import sys
@@ -8,8 +8,8 @@ import pytest
 from peft import IA3Config, LNTuningConfig, LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
 
 from hf_zo import ZOConfig, ZOTrainer
-from hf_zo.defaults import METHOD_DEFAULTS, trained_method
-from hf_zo.norm_tuning import norm_module_names
+from hf_zo.models import norm_module_names
+from hf_zo.training import METHOD_DEFAULTS, trained_method
 
 from tiny_models import lm_dataset, tiny_causal_lm
 

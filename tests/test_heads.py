@@ -226,7 +226,7 @@ def test_linear_probe_of_a_trainer_samples_a_set_grouped_by_label():
 def test_linear_probe_and_evaluation_keep_their_own_data_with_persistent_workers(monkeypatch):
     """With `dataloader_persistent_workers`, Trainer caches the evaluation loader: the probe must neither be fitted on
     that cached loader (evaluation data) nor leave its own loader there for `evaluate()` to reuse."""
-    import hf_zo.heads
+    import hf_zo.heads.callback
 
     probed = []
 
@@ -235,7 +235,7 @@ def test_linear_probe_and_evaluation_keep_their_own_data_with_persistent_workers
         probed.append(sum(len(batch["labels"]) for batch in rows))
         return fit_linear_probe(model, head, rows, **kwargs)
 
-    monkeypatch.setattr(hf_zo.heads, "fit_linear_probe", recording_probe)
+    monkeypatch.setattr(hf_zo.heads.callback, "fit_linear_probe", recording_probe)
     train, evaluation = classification_dataset(40, seed=1), classification_dataset(7, seed=2)
     trainer = ZOTrainer(
         model=tiny_bert_classifier(),
@@ -262,10 +262,10 @@ def test_linear_probe_and_evaluation_keep_their_own_data_with_persistent_workers
 
 def test_the_head_is_probed_once_per_model_across_train_calls(monkeypatch):
     """A second `train()` goes on from the head trained so far; a model rebuilt by `model_init` is probed anew."""
-    import hf_zo.heads
+    import hf_zo.heads.callback
 
     probes = []
-    monkeypatch.setattr(hf_zo.heads, "fit_linear_probe", lambda *args, **kwargs: probes.append(1) or 1.0)
+    monkeypatch.setattr(hf_zo.heads.callback, "fit_linear_probe", lambda *args, **kwargs: probes.append(1) or 1.0)
     args = ZOConfig(
         output_dir="unused", max_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True
     )

@@ -14,7 +14,7 @@ from peft import (
 from transformers import BertForSequenceClassification
 
 from hf_zo import ZOConfig, ZOTrainer
-from hf_zo.norm_tuning import is_norm_module, norm_module_names
+from hf_zo.models import is_norm_module, norm_module_names
 
 from tiny_models import lm_dataset, tiny_bert_classifier, tiny_causal_lm
 

@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, PromptTuningConfig, TaskType, get_peft_m
 from transformers import AutoModel, AutoModelForSequenceClassification, BertForSequenceClassification
 
 from hf_zo import PooledEncoderForSequenceClassification, ZOTrainer, load_sequence_classifier
-from hf_zo.pooled_classifier import read_pooling_config
+from hf_zo.models import read_pooling_config
 
 from tiny_models import classification_dataset, save_tiny_sentence_encoder, tiny_bert_classifier, zo_args
 
@@ -181,7 +181,7 @@ def test_unknown_pooling_mode_fails_at_construction():
 
 
 def test_a_head_on_the_untrained_pooler_is_reported(tmp_path):
-    from hf_zo.pooled_classifier import pooling_mismatch
+    from hf_zo.models import pooling_mismatch
 
     save_tiny_sentence_encoder(tmp_path)
     on_pooler = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=2)
@@ -242,7 +242,7 @@ def test_cls_pooling_reads_the_first_non_padding_token(tmp_path):
 
 def test_a_dense_module_is_refused_unless_a_pooling_mode_is_chosen(tmp_path):
     # LaBSE, sentence-t5 and gtr-t5 project the pooled embedding with a Dense layer the classifier does not compute.
-    from hf_zo.pooled_classifier import pooling_mismatch
+    from hf_zo.models import pooling_mismatch
 
     save_current_sentence_encoder(tmp_path, "mean", modules=("Pooling", "Dense", "Normalize"))
     dense = "sentence_transformers.base.modules.dense.Dense (at '2_Dense')"

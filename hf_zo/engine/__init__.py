@@ -6,9 +6,8 @@
   offloaded blocks (`hf_zo.offload`).
 """
 
-from .blocks import BlocksNotFoundError, find_blocks
+from .blocks import BlocksNotFoundError, find_blocks, offload_model
 from .dual import DualEngine
-from .setup import offload_model
 
 ZO_ENGINES = ("sequential", "dual")
 """The engines selectable by name (`ZOConfig.zo_engine`)."""

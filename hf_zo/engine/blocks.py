@@ -1,4 +1,5 @@
-"""Find the repeated blocks of a model (the units the dual engine and offload work block by block on).
+"""Find the repeated blocks of a model (the units the dual engine and offload work block by block on), and offload
+them (:func:`offload_model`).
 
 Blocks are found from the model's own metadata, never from per-architecture code (DESIGN invariant 8): the classes
 named in `_no_split_modules` (the layers that `accelerate` never splits across devices), taken where they sit in an
@@ -7,7 +8,10 @@ named in `_no_split_modules` (the layers that `accelerate` never splits across d
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from ..offload import BlockOffloader, offload_blocks
 
 
 class BlocksNotFoundError(ValueError):
@@ -56,6 +60,35 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         + ". Use zo_engine='sequential' (works for any model), or set `_no_split_modules` on the model class to the "
         "name of its layer class."
     )
+
+
+def offload_model(
+    model: nn.Module,
+    tier: str,
+    directory: str | None = None,
+    device: torch.device | str | None = None,
+    prefetch: int = 1,
+    offload_dtype: torch.dtype | str | None = None,
+    transport=None,
+) -> BlockOffloader:
+    """Offload the repeated blocks of `model` (found with `find_blocks`) to storage tier `tier`.
+
+    Call it before moving the model to its device: the blocks then stay in storage and only the other (resident)
+    modules move. Pass the returned offloader to `DualEngine(model, offloader=...)`.
+
+    Args:
+        model (`nn.Module`): a transformers model, possibly wrapped by PEFT.
+        tier (`str`): `"cpu"` (host memory, pinned with CUDA) or `"disk"` (memory-mapped safetensors files).
+        directory (`str`, *optional*): the disk tier's directory (default: a temporary one).
+        device (`torch.device` or `str`, *optional*): the working device (default: CUDA when available, else CPU).
+        prefetch (`int`, defaults to 1): blocks loaded ahead of the one computing.
+        offload_dtype (`torch.dtype` or `str`, *optional*): storage/transfer dtype of frozen block tensors.
+        transport (*optional*): how blocks move (default: chosen for the device; see `BlockOffloader`).
+
+    Returns:
+        `BlockOffloader`: the offloader, whose hooks already serve plain forwards (evaluation, generation).
+    """
+    return offload_blocks(find_blocks(model), tier, directory, device, prefetch, offload_dtype, transport)
 
 
 def _is_repeated(module_list: nn.ModuleList) -> bool:

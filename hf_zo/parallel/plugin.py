@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..engine.setup import offload_model
+from ..engine import offload_model
 from ..offload import BlockOffloader
 from ..optim.base import ZOOptimizer
 from .collectives import CommStats, ScalarCollectives

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 import hf_zo.trainer
 from hf_zo import ZOTrainer
-from hf_zo.checkpoint import check_resumable
+from hf_zo.training.checkpointing import check_resumable
 
 from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm, zo_args
 
@@ -215,7 +215,7 @@ def test_a_file_resuming_reads_is_still_loaded_as_its_loader_loads_it(checkpoint
 def test_what_killed_saves_left_is_cleared_and_an_older_checkpoint_restored(tmp_path):
     """Unpublished folders are removed; a `.replaced` checkpoint is renamed back when its step has no checkpoint
     (killed between the publish's two renames) and removed when the new one is in place."""
-    from hf_zo.checkpoint import clean_interrupted_saves
+    from hf_zo.training.checkpointing import clean_interrupted_saves
 
     run = tmp_path / "run"
     for folder, file in [

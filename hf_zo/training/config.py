@@ -9,13 +9,18 @@ import torch
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from .engine import ZO_ENGINES
-from .heads import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES
-from .noise import NOISE_ALGORITHMS, NOISE_DISTRIBUTIONS
-from .offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
-from .optim import ZO_OPTIMIZERS
+from ..engine import ZO_ENGINES
+from ..noise import NOISE_ALGORITHMS, NOISE_DISTRIBUTIONS
+from ..offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
+from ..optim import ZO_OPTIMIZERS
 
 logger = logging.get_logger(__name__)
+
+HEAD_INIT_CHOICES = ("auto", "none", "linear_probe")
+"""The values of `ZOConfig.zo_head_init` (what they do: `hf_zo.heads`)."""
+
+HEAD_TRAINING_CHOICES = ("auto", "zeroth_order", "first_order")
+"""The values of `ZOConfig.zo_head_training` (what they do: `hf_zo.heads`)."""
 
 _TRAINER_DEFAULT_OPTIM = next(f.default for f in fields(TrainingArguments) if f.name == "optim")
 
@@ -30,8 +35,8 @@ class ZOConfig(TrainingArguments):
 
         zo_eps (`float`, *optional*):
             Perturbation scale `eps` of the two-point estimate `(L(θ + eps z) - L(θ - eps z)) / (2 eps)`. Default:
-            by what the model trains (`hf_zo.defaults`), MeZO's 1e-3 for all weights, 1e-2 for LoRA and 1e-1 for
-            prefix and prompt tuning, and 1e-3 for the norm layers (PEFT's LN tuning).
+            by what the model trains (`hf_zo.training.defaults`), MeZO's 1e-3 for all weights, 1e-2 for LoRA and 1e-1
+            for prefix and prompt tuning, and 1e-3 for the norm layers (PEFT's LN tuning).
         zo_num_perturbations (`int`, *optional*, defaults to `1`):
             Perturbations `q` per micro-batch; each costs two forward passes. Gradient accumulation adds more.
         zo_noise (`str`, *optional*, defaults to `"gaussian"`):
@@ -56,7 +61,9 @@ class ZOConfig(TrainingArguments):
 
         zo_optimizer (`str`, *optional*, defaults to `"zo_sgd"`):
             One of `"zo_sgd"` (MeZO), `"zo_sgd_momentum"`, `"zo_sgd_sign"`, `"zo_sgd_cons"` (conservative),
-            `"zo_adam"`, `"lozo"` (MeZO's update with low-rank perturbations) or `"hizoo"` (MeZO's update along
+            `"zo_adam"`, `"lozo"` (MeZO's update with low-rank perturbations), `"fzoo"` (one-sided Rademacher
+            estimates around the centre loss, step normalised by their spread; needs `zo_num_perturbations >= 2`;
+            the paper perturbs with `zo_noise="rademacher"`) or `"hizoo"` (MeZO's update along
             perturbations preconditioned by a diagonal curvature estimate; three forwards per estimate, needs
             `zo_engine="sequential"` and `zo_perturbation_parallel_size=1`). Learning rate, weight decay (not applied
             to biases and norm weights), `adam_beta1`, `adam_beta2` and `adam_epsilon` come from the usual
@@ -170,7 +177,7 @@ class ZOConfig(TrainingArguments):
     Defaults changed from `TrainingArguments`:
 
         learning_rate (`float`, *optional*):
-            Default: by what the model trains (`hf_zo.defaults`), since ZO learning rates differ by orders of
+            Default: by what the model trains (`hf_zo.training.defaults`), since ZO learning rates differ by orders of
             magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA and 1e-3 for prefix
             and prompt tuning, and 3e-4 for the norm layers (PEFT's LN tuning, measured on all-MiniLM-L6-v2).
             `ZOTrainer` fills it in (and `zo_eps`) when it gets the model; another PEFT method needs both set.
@@ -179,7 +186,7 @@ class ZOConfig(TrainingArguments):
         lr_scheduler_type (`str`, defaults to `"constant"`):
             MeZO trains with a constant learning rate.
         train_sampling_strategy (`str`, defaults to `"group_by_length"`):
-            Training batches of similar length (`hf_zo.length_grouping.ZOLengthGroupedSampler`): a ZO step is two
+            Training batches of similar length (`hf_zo.training.sampling.ZOLengthGroupedSampler`): a ZO step is two
             forward passes over a padded batch, and ZO takes many steps. On SST-2 (all-MiniLM-L6-v2, batch 16, 2 CPU
             cores) 300 steps take 22.7 s instead of 48.9 s with batches drawn at random. The order depends only on
             the seed, the epoch and the global batch, so data parallelism equals gradient accumulation and resume is
@@ -449,6 +456,7 @@ class ZOConfig(TrainingArguments):
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
             )
         self._validate_hizoo_arguments()
+        self._validate_fzoo_arguments()
 
     def _validate_hizoo_arguments(self) -> None:
         if not (isinstance(self.zo_hizoo_smooth, (int, float)) and 0.0 <= self.zo_hizoo_smooth < 1.0):
@@ -472,6 +480,22 @@ class ZOConfig(TrainingArguments):
             raise ValueError(
                 "zo_optimizer='hizoo' scales the noise element by element and cannot use zo_noise='table'; set "
                 "zo_noise='gaussian' (the default) or 'rademacher'."
+            )
+
+    def _validate_fzoo_arguments(self) -> None:
+        if self.zo_optimizer != "fzoo":
+            return
+        if self.zo_num_perturbations < 2:
+            raise ValueError(
+                f"zo_optimizer='fzoo' divides its step by the spread of the perturbed losses, so it needs "
+                f"zo_num_perturbations >= 2 (got {self.zo_num_perturbations}); FZOO's paper uses 8, hf_zo's "
+                "prompt default 4."
+            )
+        if self.zo_engine != "sequential" or self.zo_perturbation_parallel_size > 1:
+            raise ValueError(
+                "zo_optimizer='fzoo' runs one-sided forwards around a centre loss, which the dual engine and "
+                "perturbation parallelism do not split; use zo_engine='sequential' and "
+                "zo_perturbation_parallel_size=1."
             )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .mesh import ZOMesh
+from ..parallel.mesh import ZOMesh
 
 Gradients = list[torch.Tensor | None]  # a gradient of each head parameter (None: it got none)
 MicroBatch = list[Gradients]  # one rank's part of a micro-batch: its forwards in order (PertP), or their sum

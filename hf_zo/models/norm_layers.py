@@ -28,7 +28,7 @@ def norm_module_names(model: nn.Module) -> list[str] | str:
 
     ```python
     from peft import LNTuningConfig, get_peft_model
-    from hf_zo.norm_tuning import norm_module_names
+    from hf_zo.models import norm_module_names
 
     config = LNTuningConfig(task_type="SEQ_CLS", target_modules=norm_module_names(model))
     model = get_peft_model(model, config)

@@ -7,7 +7,8 @@ import torch
 from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
 
 from hf_zo import ZOTrainer
-from hf_zo.length_grouping import ZOLengthGroupedSampler, example_lengths
+from hf_zo.heads import example_lengths
+from hf_zo.training import ZOLengthGroupedSampler
 
 from tiny_models import pad_lm_batch as pad
 from tiny_models import ragged_lm_dataset, tiny_causal_lm, zo_args

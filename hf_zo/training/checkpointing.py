@@ -33,7 +33,8 @@ from transformers.utils import (
     WEIGHTS_NAME,
 )
 
-from .trajectory.format import TRAJECTORY_NAME
+from ..heads import HEAD_OPTIMIZER_NAME
+from ..trajectory import TRAJECTORY_NAME
 
 STAGING_DIR_NAME = ".zo-staging"
 """Folder, inside the run directory, where checkpoints are written before they are published."""
@@ -125,9 +126,6 @@ GLOBAL_STEP_KEY = "hf_zo_global_step"
 """The entry of the optimizer state that `ZOTrainer` saves with its `global_step` (the ZO step counter itself runs on
 across `train()` calls, so it is not the trainer's step): what shows that `optimizer.pt` and `trainer_state.json` come
 from one save."""
-
-HEAD_OPTIMIZER_NAME = "zo_head_optimizer.pt"
-"""The file of a checkpoint holding the AdamW state of a head trained first-order (`zo_head_training`)."""
 
 RESUMED_FILE_PATTERNS = (
     TRAINER_STATE_NAME,

@@ -2,47 +2,19 @@
 
 A ZO step is two forward passes over a padded batch, and ZO takes many steps: with batches drawn at random, most of
 a short-text batch is padding (SST-2 phrases of 2 to 60 tokens). `ZOConfig` therefore defaults to
-`train_sampling_strategy="group_by_length"`, served by :class:`ZOLengthGroupedSampler`.
+`train_sampling_strategy="group_by_length"`, served by :class:`ZOLengthGroupedSampler`. The lengths come from
+`hf_zo.heads.example_lengths`, which lives below the trainer because the linear probe orders its examples by them too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 
-__all__ = ["SamplerEpochCallback", "ZOLengthGroupedSampler", "example_lengths"]
-
-
-def example_lengths(dataset, length_column_name: str = "length", input_name: str = "input_ids") -> list[int] | None:
-    """The length of every example of `dataset`, or `None` when it cannot be read.
-
-    A `datasets.Dataset` gives its `length_column_name` column, or the lengths of its `input_name` column (one column
-    read, not every row decoded). Another map-style data set gives the length of `input_name` in each example when
-    its examples are mappings that hold it.
-
-    Args:
-        dataset: a map-style data set.
-        length_column_name (`str`, defaults to `"length"`): a column of precomputed lengths
-            (`TrainingArguments.length_column_name`).
-        input_name (`str`, defaults to `"input_ids"`): the model input whose length counts.
-
-    Returns:
-        `list[int] | None`: one length per example, in the data set's order.
-    """
-    columns = getattr(dataset, "column_names", None)
-    if columns is not None:
-        if length_column_name in columns:
-            return [int(length) for length in dataset[length_column_name]]
-        if input_name in columns:
-            return [len(ids) for ids in dataset[input_name]]
-        return None
-    if len(dataset) == 0 or not isinstance(dataset[0], Mapping) or input_name not in dataset[0]:
-        return None
-    return [len(dataset[index][input_name]) for index in range(len(dataset))]
+__all__ = ["SamplerEpochCallback", "ZOLengthGroupedSampler"]
 
 
 class ZOLengthGroupedSampler(LengthGroupedSampler):
