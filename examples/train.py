@@ -31,7 +31,6 @@ import inspect
 import json
 import math
 import os
-import string
 import sys
 from dataclasses import dataclass, field
 
@@ -54,6 +53,7 @@ from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classi
 from hf_zo.metrics import build_compute_metrics
 from hf_zo.models import norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
+from hf_zo.prompts import PROMPT_LOSSES, PROMPT_TASKS, PromptClassification, PromptTask
 from hf_zo.training.checkpointing import saved_run_files
 
 ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on every run: nothing to act on
@@ -61,44 +61,6 @@ ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on 
 # ---------------------------------------------------------------------- tasks
 
 
-@dataclass(frozen=True)
-class Task:
-    """A ready classification task: where it lives on the Hub, its fields, and its MeZO prompt.
-
-    Attributes:
-        hub (`tuple[str, str]`): `(dataset, config)` for `datasets.load_dataset`.
-        fields (`tuple[str, ...]`): the input text fields (one sentence, or a pair).
-        label_words (`tuple[str, ...]`): the word of each label for prompt-based classification.
-        template (`str`): the prompt, formatted with the fields; the label word follows it.
-        metrics (`tuple[str, ...]`): metrics reported at evaluation.
-    """
-
-    hub: tuple[str, str]
-    fields: tuple[str, ...]
-    label_words: tuple[str, ...]
-    template: str
-    metrics: tuple[str, ...] = ("accuracy",)
-
-
-TASKS = {
-    "sst2": Task(("nyu-mll/glue", "sst2"), ("sentence",), (" terrible", " great"), "{sentence} It was"),
-    "rte": Task(
-        ("aps/super_glue", "rte"),
-        ("premise", "hypothesis"),
-        (" Yes", " No"),
-        '{premise}\nDoes this mean that "{hypothesis}" is true? Yes or No?\n',
-    ),
-    "boolq": Task(
-        ("aps/super_glue", "boolq"), ("passage", "question"), (" No", " Yes"), "{passage} {question}?", ("accuracy",)
-    ),
-    "cb": Task(
-        ("aps/super_glue", "cb"),
-        ("premise", "hypothesis"),
-        (" Yes", " No", " Maybe"),
-        '{premise}\nQuestion: "{hypothesis}" True, False or Neither?\n',
-        ("accuracy", "f1"),
-    ),
-}
 TASK_TYPES = ("auto", "causal_lm", "classification", "prompt_classification")
 
 
@@ -157,7 +119,7 @@ class DataArguments:
     """Which data, and how much of it."""
 
     task_name: str | None = field(
-        default=None, metadata={"help": "A ready classification task.", "choices": list(TASKS)}
+        default=None, metadata={"help": "A ready classification task.", "choices": list(PROMPT_TASKS)}
     )
     dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset (default: the task's)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
@@ -176,6 +138,14 @@ class DataArguments:
     max_length: int = field(default=256, metadata={"help": "Maximum tokens per example."})
     template: str | None = field(default=None, metadata={"help": "Prompt template (default: the task's)."})
     label_words: list[str] | None = field(default=None, metadata={"help": "Label words (default: the task's)."})
+    prompt_loss: str = field(
+        default="classification",
+        metadata={
+            "help": "Training loss of prompt classification: cross-entropy over the label words (MeZO's "
+            "train_as_classification) or over the whole vocabulary ('lm').",
+            "choices": list(PROMPT_LOSSES),
+        },
+    )
 
     def __post_init__(self):
         for name in ("num_train", "num_eval", "max_length"):
@@ -183,7 +153,7 @@ class DataArguments:
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}; leave it out for its default.")
         if self.text_column is not None and self.task_name is not None:
-            fields = TASKS[self.task_name].fields
+            fields = PROMPT_TASKS[self.task_name].fields
             raise ValueError(
                 f"--text_column {self.text_column} applies to data without --task_name; --task_name "
                 f"{self.task_name} reads the columns {list(fields)}: rename the file's columns to them, or leave out "
@@ -218,7 +188,7 @@ def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
     elif data.dataset_name or data.task_name:
         name, config = (data.dataset_name, data.dataset_config_name)
         if name is None:
-            name, config = TASKS[data.task_name].hub
+            name, config = PROMPT_TASKS[data.task_name].hub
         raw = load_dataset(name, config)
         raw = DatasetDict({s: raw[s] for s in ("train", "validation") if s in raw})
     else:
@@ -229,8 +199,8 @@ def load_raw_datasets(data: DataArguments, seed: int) -> DatasetDict:
     return raw
 
 
-def task_fields(data: DataArguments) -> tuple[Task | None, tuple[str, ...]]:
-    task = TASKS.get(data.task_name) if data.task_name else None
+def task_fields(data: DataArguments) -> tuple[PromptTask | None, tuple[str, ...]]:
+    task = PROMPT_TASKS.get(data.task_name) if data.task_name else None
     fields = task.fields if task else (data.text_column or "sentence",)
     return task, fields
 
@@ -246,7 +216,7 @@ def number_text_labels(raw: DatasetDict, data: DataArguments) -> tuple[DatasetDi
     """
     column = data.label_column
     labelled = [d for d in raw.values() if column in d.column_names]
-    task = TASKS[data.task_name] if data.task_name is not None else None
+    task = PROMPT_TASKS[data.task_name] if data.task_name is not None else None
     if all(getattr(d.features[column], "dtype", "").startswith(("int", "uint")) for d in labelled):  # or ClassLabel
         if not labelled or any(isinstance(d.features[column], ClassLabel) for d in labelled):
             return raw, None  # a Hub dataset's ClassLabel has numbered its labels already
@@ -321,104 +291,28 @@ def tokenize_causal_lm(raw: DatasetDict, tokenizer, data: DataArguments) -> Data
     )
 
 
-def tokenize_prompts(raw: DatasetDict, tokenizer, data: DataArguments) -> DatasetDict:
-    """Turn each example into a prompt followed by a label word (MeZO's prompt-based classification).
-
-    Training rows are the prompt plus the correct word, with the loss on the word's tokens only. Validation rows keep
-    every candidate (`candidate_ids`), so evaluation scores all label words and picks the most likely.
-    """
+def prompt_classification(tokenizer, data: DataArguments) -> PromptClassification:
+    """The prompt task of the arguments: `--template` and `--label_words`, or the `--task_name`'s."""
     task, _ = task_fields(data)
     template = data.template or (task.template if task else None)
     words = data.label_words or (task.label_words if task else None)
     if template is None or words is None:
         raise ValueError("Prompt-based classification needs --template and --label_words (or a --task_name).")
-    template_fields = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    return PromptClassification(
+        tokenizer, template, words, loss=data.prompt_loss, max_length=data.max_length, label_column=data.label_column
+    )
+
+
+def tokenize_prompts(raw: DatasetDict, prompts: PromptClassification, data: DataArguments) -> DatasetDict:
+    """Each example as its prompt's token ids and its label (MeZO's prompt-based classification)."""
     check_columns(
         raw,
         data,
-        [*dict.fromkeys(template_fields), data.label_column],
+        [*prompts.fields, data.label_column],
         "Rename the columns, or write a --template that formats the columns you have; --label_column names the "
         "label column.",
     )
-    word_ids = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
-    if any(not ids for ids in word_ids):
-        raise ValueError(f"Every label word must tokenize to at least one token, got {dict(zip(words, word_ids))}.")
-
-    def prompt_ids(row) -> list[int]:
-        ids = tokenizer(template.format(**row), add_special_tokens=True)["input_ids"]
-        room = data.max_length - max(len(w) for w in word_ids)
-        return ids[-room:]  # long passages lose their beginning, the question stays
-
-    def train_row(row):
-        prompt, word = prompt_ids(row), word_ids[row[data.label_column]]
-        return {"input_ids": prompt + word, "labels": [-100] * len(prompt) + word}
-
-    def eval_row(row):
-        prompt = prompt_ids(row)
-        return {
-            "candidate_ids": [prompt + w for w in word_ids],
-            "prompt_length": len(prompt),
-            "label": row[data.label_column],
-        }
-
-    out = DatasetDict()
-    if "train" in raw:
-        out["train"] = raw["train"].map(train_row, remove_columns=raw["train"].column_names)
-    if "validation" in raw:
-        out["validation"] = raw["validation"].map(eval_row, remove_columns=raw["validation"].column_names)
-    return out
-
-
-class PromptCollator:
-    """Pads prompt-classification rows: training rows as a causal LM batch, validation rows as every candidate of
-    every example (`B * C` sequences) with a mask of the candidate-word tokens to score."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def _pad(self, sequences: list[list[int]], value: int) -> torch.Tensor:
-        length = max(len(s) for s in sequences)
-        return torch.tensor([s + [value] * (length - len(s)) for s in sequences])
-
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if "candidate_ids" not in rows[0]:
-            ids = [r["input_ids"] for r in rows]
-            return {
-                "input_ids": self._pad(ids, self.pad_token_id),
-                "attention_mask": self._pad([[1] * len(s) for s in ids], 0),
-                "labels": self._pad([r["labels"] for r in rows], -100),
-            }
-        ids = [c for r in rows for c in r["candidate_ids"]]
-        starts = [r["prompt_length"] for r in rows for _ in r["candidate_ids"]]
-        return {
-            "input_ids": self._pad(ids, self.pad_token_id),
-            "attention_mask": self._pad([[1] * len(s) for s in ids], 0),
-            "candidate_mask": self._pad([[0] * p + [1] * (len(s) - p) for s, p in zip(ids, starts)], 0),
-            "labels": torch.tensor([r["label"] for r in rows]),
-        }
-
-
-class PromptZOTrainer(ZOTrainer):
-    """`ZOTrainer` whose evaluation scores each label word by its log-likelihood after the prompt.
-
-    The predictions are the `(batch, num_labels)` candidate scores (sum of token log-probabilities), so accuracy is
-    their argmax; the evaluation loss is the cross-entropy of the scores against the true label.
-    """
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        if "candidate_mask" not in inputs:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        labels = inputs["labels"]
-        with torch.no_grad():
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-            logits = logits[:, -inputs["input_ids"].shape[1] :]  # prompt tuning prepends virtual-token positions
-            logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            targets = inputs["input_ids"][:, 1:]
-            token_scores = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            scores = (token_scores * inputs["candidate_mask"][:, 1:]).sum(-1).view(labels.shape[0], -1)
-            loss = torch.nn.functional.cross_entropy(scores, labels)
-        return loss, (None if prediction_loss_only else scores), labels
+    return prompts.tokenize(raw)
 
 
 # ---------------------------------------------------------------------- model
@@ -585,7 +479,7 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
         if task_type == "classification":
             datasets = tokenize_classification(raw, tokenizer, data)
         elif task_type == "prompt_classification":
-            datasets = tokenize_prompts(raw, tokenizer, data)
+            datasets = tokenize_prompts(raw, prompt_classification(tokenizer, data), data)
         else:
             datasets = tokenize_causal_lm(raw, tokenizer, data)
 
@@ -601,20 +495,18 @@ def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         config.id2label, config.label2id = dict(enumerate(label_names)), {n: i for i, n in enumerate(label_names)}
 
-    trainer_class, kwargs = ZOTrainer, {}
+    kwargs = {}
     if task_type == "causal_lm":
         kwargs["data_collator"] = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     else:
         metrics = task.metrics if task else ("accuracy",)
         kwargs["compute_metrics"] = build_compute_metrics(metrics)
         if task_type == "prompt_classification":
-            trainer_class = PromptZOTrainer
-            kwargs["data_collator"] = PromptCollator(tokenizer.pad_token_id)
-            args.remove_unused_columns = False
-            args.label_names = ["labels"]
+            kwargs.update(prompt_classification(tokenizer, data).trainer_kwargs())
+            args.label_names = ["labels"]  # PEFT's wrapper hides the model's `labels` argument from Trainer
         else:
             kwargs["data_collator"] = DataCollatorWithPadding(tokenizer)
-    trainer = trainer_class(
+    trainer = ZOTrainer(
         model=model,
         args=args,
         train_dataset=datasets.get("train") if should_train(args) else None,

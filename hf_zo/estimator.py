@@ -143,12 +143,35 @@ class SPSAEstimator:
         the closure raises (an error, an out-of-memory, a `KeyboardInterrupt`), the parameters are restored the same
         way before the exception propagates (see :meth:`signed_forwards`).
         """
-        loss_center = None
-        if self.center_loss:
-            self.params.flush()
-            loss_center = _as_float(closure())
+        loss_center = self.center_forward(closure) if self.center_loss else None
         loss_plus, loss_minus = self.signed_forwards(closure, seed)
         return make_record(seed, loss_plus, loss_minus, self.eps, loss_center)
+
+    @torch.no_grad()
+    def center_forward(self, closure: Callable[[], torch.Tensor | float]) -> float:
+        """The loss at ``theta`` itself: the pending move is applied first, so the forward sees the true weights."""
+        self.params.flush()
+        return _as_float(closure())
+
+    @torch.no_grad()
+    def one_sided_forward(self, closure: Callable[[], torch.Tensor | float], seed: int) -> float:
+        """The loss at ``theta + eps z(seed)`` alone: one sweep and one forward (FZOO's estimate).
+
+        The restore is left pending (or copied back with `exact_restore`), as :meth:`signed_forwards` leaves it,
+        also when the closure raises.
+        """
+        snapshot = None
+        if self.exact_restore:
+            self.params.flush()
+            snapshot = [tensor.detach().clone() for _, tensor in self.params.tensors]
+        offset = 0.0
+        try:
+            self.params.add(seed, self.eps)
+            offset = self.eps
+            self.params.flush()
+            return _as_float(closure())
+        finally:
+            self._restore(seed, offset, snapshot)
 
     @torch.no_grad()
     def signed_forwards(

@@ -127,7 +127,7 @@ def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
     assert trainer.state.global_step == 4
     assert "eval_loss" in metrics and (kind == "causal_lm") == ("eval_accuracy" not in metrics)
     if kind == "prompt_classification":
-        assert type(trainer).__name__ == "PromptZOTrainer"
+        assert trainer.compute_loss_func.__self__.label_words == (" terrible", " great")
         assert trainer.model.config.architectures == ["OPTForCausalLM"]
     if kind == "classification":
         assert trainer.zo_heads.names  # the default head options applied to the new head
@@ -189,21 +189,17 @@ def test_prompt_evaluation_scores_label_words(workspace, tmp_path):
         "0",
     )
     model, tokenizer = trainer.model, trainer.processing_class
-    batch = trainer.data_collator([trainer.eval_dataset[0]])
-    assert batch["input_ids"].shape[0] == 2  # one sequence per label word
+    batch = trainer.data_collator([trainer.eval_dataset[0], trainer.eval_dataset[1]])
+    assert batch["input_ids"].shape[0] == 2 and batch["logits_to_keep"] == 1  # one prompt per example, one position
     output = trainer.predict(trainer.eval_dataset)
+    words = [tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" terrible", " great")]
+    assert tokenizer.decode(words[1]).strip() == "great"
     expected = []
-    for row in trainer.eval_dataset:
-        scores = []
-        for candidate in row["candidate_ids"]:
-            ids = torch.tensor([candidate])
-            with torch.no_grad():
-                logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
-            positions = range(row["prompt_length"] - 1, len(candidate) - 1)
-            scores.append(sum(float(logprobs[p, candidate[p + 1]]) for p in positions))
-        expected.append(scores)
+    for row in trainer.eval_dataset:  # each prompt alone, unpadded: the batch's left padding changes nothing
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([row["input_ids"]])).logits[0, -1], -1)
+        expected.append([float(logprobs[w]) for w in words])
     assert torch.allclose(torch.tensor(output.predictions), torch.tensor(expected), atol=1e-4)
-    assert tokenizer.decode(trainer.eval_dataset[0]["candidate_ids"][1][-1:]).strip() == "great"
 
 
 def test_push_to_hub_uploads_model_and_card(workspace, tmp_path, monkeypatch):

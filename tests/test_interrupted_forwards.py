@@ -12,7 +12,8 @@ from hf_zo.optim import ZO_OPTIMIZERS, ZOSGD
 
 from tiny_models import OPTIMIZER_HYPERPARAMETERS, lm_dataset, tiny_causal_lm, zo_args
 
-FORWARDS_PER_STEP = {"hizoo": 3, "zo_sgd_cons": 5}  # loss at theta first; conservative: + three candidates
+FORWARDS_PER_STEP = {"hizoo": 3, "zo_sgd_cons": 5, "fzoo": 5}  # theta first; conservative: + three candidates; fzoo:
+# theta and its four one-sided forwards
 CASES = [(name, k) for name in sorted(ZO_OPTIMIZERS) for k in range(1, FORWARDS_PER_STEP.get(name, 2) + 1)]
 
 

@@ -27,6 +27,7 @@ OPTIMIZER_HYPERPARAMETERS = {
     "zo_adam": dict(lr=0.05),
     "lozo": dict(lr=0.02),
     "hizoo": dict(lr=0.02, hessian_smooth=1e-3),
+    "fzoo": dict(lr=3e-5),  # its step is lr / eps * sqrt(d / N) long, whatever the gradient
 }
 """Learning rates (and more) of each `hf_zo.optim` optimizer at which the tests' small problems descend."""
 

@@ -2,6 +2,7 @@
 
 from .adam import ZOAdam
 from .base import ZOOptimizer
+from .fzoo import FZOO
 from .hizoo import HiZOO, PreconditionedNoise
 from .lozo import LOZO, LowRankNoise
 from .sgd import ZOSGD, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
@@ -14,10 +15,12 @@ ZO_OPTIMIZERS: dict[str, type[ZOOptimizer]] = {
     "zo_adam": ZOAdam,
     "lozo": LOZO,
     "hizoo": HiZOO,
+    "fzoo": FZOO,
 }
 """The optimizers selectable by name (`ZOConfig.zo_optimizer`)."""
 
 __all__ = [
+    "FZOO",
     "HiZOO",
     "LOZO",
     "LowRankNoise",

@@ -43,7 +43,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
 from ..noise import LEGACY_NOISE_ALGORITHM
-from ..optim import ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
+from ..optim import FZOO, ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
 from .base import frozen_fingerprint, initial_tensors_not_in_base
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
@@ -62,7 +62,7 @@ _ESTIMATE = struct.Struct("<Qd")
 _ESTIMATE_WITH_CURVATURE = struct.Struct("<Qdd")
 _DIGEST_BYTES = 32
 _LRS_FOLLOW, _WDS_FOLLOW, _CURVATURES_FOLLOW = 1, 2, 4
-_STATELESS = (ZOSGD, ZOSGDSign)
+_STATELESS = (ZOSGD, ZOSGDSign, FZOO)
 
 
 class TrajectoryFormatError(ValueError):

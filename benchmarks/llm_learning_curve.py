@@ -1,0 +1,284 @@
+"""Learning curves of the embedded LLM on SST-2 as a prompt task: ZO variants against first-order AdamW.
+
+The embedded causal LM (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) scores the label words after a
+prompt (`hf_zo.prompts.PromptClassification`, MeZO's prompt-based classification) and is fine-tuned for a wall-time
+budget of training (evaluation excluded), batch 16. Every variant starts from the model's zero-shot accuracy and is
+evaluated on the full SST-2 validation set (872 sentences) every `budget / points` seconds. Peak resident memory is
+measured over an evaluation pass at the training batch size (inference) and over training. Run one variant per
+process, then merge (the figure and the table of docs/accuracy.md)::
+
+    python benchmarks/llm_learning_curve.py --variants fzoo_lora --budget_minutes 20 --output /tmp/fzoo.json
+    python benchmarks/llm_learning_curve.py --merge /tmp/fzoo.json /tmp/adamw.json \\
+        --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
+
+`--heldout N` evaluates on N sentences held out of the training set instead (to choose settings without touching
+the validation set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set.
+
+Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
+step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
+`transformers.Trainer`). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs. `--template mezo` (default)
+is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
+` negative`, ` positive`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
+
+from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
+from hf_zo.demo.memory import PeakMemory  # noqa: E402
+from hf_zo.metrics import build_compute_metrics  # noqa: E402
+from hf_zo.models import embedded_llm_path  # noqa: E402
+from hf_zo.prompts import PromptClassification  # noqa: E402
+
+TEMPLATES = {
+    "mezo": ("{sentence} It was", (" terrible", " great")),
+    "review": ("Review: {sentence}\nSentiment:", (" negative", " positive")),
+}
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+
+# name: what is trained ("lora" or "full"), by whom ("zo" or "adamw"), and the ZOConfig / TrainingArguments fields
+VARIANTS: dict[str, dict] = {
+    "fzoo_lora": {
+        "method": "lora",
+        "trainer": "zo",
+        "zo_optimizer": "fzoo",
+        "zo_num_perturbations": 4,
+        "zo_noise": "rademacher",
+        "learning_rate": 1e-5,
+        "zo_eps": 1e-2,
+    },
+    "fzoo_full": {
+        "method": "full",
+        "trainer": "zo",
+        "zo_optimizer": "fzoo",
+        "zo_num_perturbations": 4,
+        "zo_noise": "rademacher",
+        "learning_rate": 1e-6,
+        "zo_eps": 1e-3,
+    },
+    "mezo_lora": {"method": "lora", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-3, "zo_eps": 1e-2},
+    "mezo_full": {"method": "full", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-6, "zo_eps": 1e-3},
+    "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
+    "adamw_full": {"method": "full", "trainer": "adamw", "learning_rate": 1e-5},
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
+    parser.add_argument("--variants", default="fzoo_lora", help=f"Comma-separated subset of {list(VARIANTS)}.")
+    parser.add_argument("--template", default="mezo", choices=list(TEMPLATES), help="The prompt and label words.")
+    parser.add_argument("--loss", default="classification", choices=["classification", "lm"])
+    parser.add_argument("--set", nargs="*", default=[], help="Overrides, e.g. fzoo_lora.learning_rate=3e-5.")
+    parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time of each variant.")
+    parser.add_argument("--points", type=int, default=4, help="Evaluations after the first one, evenly in time.")
+    parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
+    parser.add_argument("--num_train", type=int, default=8192, help="Training sentences sampled from train.tsv.")
+    parser.add_argument("--heldout", type=int, default=None, help="Evaluate on this many held-out training sentences.")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
+    parser.add_argument("--output", default="docs/images/llm_learning_curve.json", help="Where the JSON goes.")
+    parser.add_argument("--figure", default="docs/images/llm_learning_curve.png", help="Where the figure goes.")
+    parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
+    return parser.parse_args()
+
+
+def load_sst2(options: argparse.Namespace):
+    """The training sample and the evaluation set (validation, or `--heldout` training sentences), untokenized."""
+    files = {split: os.path.join(options.data_dir, f"{split}.tsv") for split in ("train", "validation")}
+    raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=3)
+    train = raw["train"].shuffle(seed=options.seed)
+    if options.heldout:
+        evaluation = train.select(range(options.heldout))
+        train = train.select(range(options.heldout, options.heldout + options.num_train))
+        return train, evaluation, f"{options.heldout} held-out SST-2 training sentences"
+    return train.select(range(options.num_train)), raw["validation"], "SST-2 validation (872)"
+
+
+def build_model(path: str, method: str):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if method == "lora":
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **LORA))
+    return model
+
+
+def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, train, evaluation) -> Trainer:
+    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer")}
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="hf_zo_llm_curve_"),
+        max_steps=10**6,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=50,
+        report_to=[],
+        seed=options.seed,
+        use_cpu=True,
+        label_names=["labels"],
+        **fields,
+    )
+    model = build_model(options.model, spec["method"])
+    kwargs = dict(
+        model=model,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        compute_metrics=build_compute_metrics(["accuracy"]),
+        **task.trainer_kwargs(),
+    )
+    if spec["trainer"] == "adamw":
+        return Trainer(args=TrainingArguments(warmup_steps=0, weight_decay=0.0, **common), **kwargs)
+    return ZOTrainer(args=ZOConfig(**common), **kwargs)
+
+
+def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> dict:
+    trainer = build_trainer(spec, options, tokenizer, task, train, evaluation)
+    start = time.perf_counter()
+    with PeakMemory(interval=0.02) as inference:
+        zero_shot = trainer.evaluate()
+    eval_seconds = time.perf_counter() - start
+    budget = WallTimeBudget(trainer, 60.0 * options.budget_minutes, options.points, options.max_steps)
+    trainer.add_callback(budget)
+    with PeakMemory(interval=0.02) as training:
+        budget.start()
+        trainer.train()
+    curve = budget.curve
+    steps = trainer.state.global_step
+    return {
+        "variant": name,
+        "spec": spec,
+        "steps": steps,
+        "train_seconds": round(budget.seconds, 1),
+        "seconds_per_step": round((budget.seconds - curve[0]["train_seconds"]) / max(1, steps), 3),
+        "eval_seconds": round(eval_seconds, 1),
+        "start_accuracy": zero_shot["eval_accuracy"],
+        "final_accuracy": curve[-1]["accuracy"],
+        "best_accuracy": max(p["accuracy"] for p in curve),
+        "inference_peak_mib": round(inference.peak_mib, 1),
+        "training_peak_mib": round(training.peak_mib, 1),
+        "training_over_inference_memory": round(training.peak_mib / inference.peak_mib, 3),
+        "curve": curve,
+    }
+
+
+def zero_shot(options, tokenizer, evaluation) -> None:
+    """Each template's zero-shot accuracy on the evaluation set (to choose a template on held-out sentences)."""
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    labels = torch.tensor(evaluation["label"])
+    for name, (template, words) in TEMPLATES.items():
+        task = PromptClassification(tokenizer, template, words)
+        start = time.perf_counter()
+        scores = task.predict_scores(model, task.tokenize(evaluation), batch_size=32)
+        accuracy = float((scores.argmax(-1) == labels).float().mean())
+        result = {"template": name, "accuracy": round(accuracy, 4), "seconds": round(time.perf_counter() - start, 1)}
+        print(json.dumps(result), flush=True)
+
+
+def plot(results: list[dict], path: str, title: str) -> None:
+    """Accuracy against optimizer steps and against training minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for result in results:
+        style = dict(linestyle="--" if result["spec"]["trainer"] == "adamw" else "-", marker="o", markersize=3)
+        accuracy = [100 * p["accuracy"] for p in result["curve"]]
+        label = f"{result['variant']} ({result['template']})"
+        by_step.plot([p["step"] for p in result["curve"]], accuracy, label=label, **style)
+        by_time.plot([p["train_seconds"] / 60 for p in result["curve"]], accuracy, label=label, **style)
+    figure.suptitle(title)
+    by_step.set(xlabel="optimizer steps", ylabel="validation accuracy (%)", title="against steps")
+    by_time.set(xlabel="training minutes (evaluation excluded)", title="against wall time")
+    for axes in (by_step, by_time):
+        axes.grid(alpha=0.3)
+    by_time.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def table(results: list[dict]) -> str:
+    """The Markdown table of docs/accuracy.md: one row per run."""
+    rows = [
+        "| variant | template | steps | s / step | zero-shot | after the budget | best point | peak memory "
+        "(training / inference) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r['variant']} | {r['template']} | {r['steps']} | {r['seconds_per_step']:.2f} | "
+            f"{100 * r['start_accuracy']:.1f}% | {100 * r['final_accuracy']:.1f}% | {100 * r['best_accuracy']:.1f}% | "
+            f"{r['training_peak_mib']:.0f} / {r['inference_peak_mib']:.0f} MiB "
+            f"({r['training_over_inference_memory']:.2f}x) |"
+        )
+    return "\n".join(rows)
+
+
+def write(options, results: list[dict], title: str) -> None:
+    for path in (options.output, options.figure):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(options.output, "w") as file:
+        json.dump({"results": results}, file, indent=1)
+    plot(results, options.figure, title)
+    print(f"wrote {options.output} and {options.figure}\n\n{table(results)}")
+
+
+def main() -> None:
+    options = parse_args()
+    if options.merge:
+        results = []
+        for path in options.merge:
+            with open(path) as file:
+                results += json.load(file)["results"]
+        write(options, results, f"SmolLM2-135M-Instruct, {results[0]['evaluated_on']}, batch {results[0]['batch']}")
+        return
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    options.model = options.model or embedded_llm_path()
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    train, evaluation, evaluated_on = load_sst2(options)
+    if options.zero_shot:
+        zero_shot(options, tokenizer, evaluation)
+        return
+    unknown = [n for n in options.variants.split(",") if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"Unknown variants {unknown}; choose from {list(VARIANTS)}.")
+    variants = {name: dict(VARIANTS[name]) for name in options.variants.split(",")}
+    for override in options.set:
+        target, value = override.split("=", 1)
+        name, field = target.split(".", 1)
+        variants[name][field] = json.loads(value)
+    template, words = TEMPLATES[options.template]
+    task = PromptClassification(tokenizer, template, words, loss=options.loss)
+    train, evaluation = task.tokenize(train), task.tokenize(evaluation)
+    results = []
+    for name, spec in variants.items():
+        result = run(name, spec, options, tokenizer, task, train, evaluation)
+        result.update(
+            template=options.template, loss=options.loss, evaluated_on=evaluated_on, batch=options.batch_size
+        )
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "curve"}), flush=True)
+    write(options, results, f"SmolLM2-135M-Instruct, {evaluated_on}, batch {options.batch_size}")
+
+
+if __name__ == "__main__":
+    main()
