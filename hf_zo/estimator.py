@@ -107,23 +107,28 @@ class LazyParameters:
 
 
 class SPSAEstimator:
-    """Simultaneous-perturbation two-point estimator (MeZO's estimate).
+    """Simultaneous-perturbation estimator (MeZO's estimate): the sequential implementation of the estimator slot.
 
-    For a seed ``s`` it evaluates the loss at ``theta + eps * z(s)`` and ``theta - eps * z(s)`` and returns the
-    projected gradient ``(L+ - L-) / (2 * eps)``. The restore to ``theta`` is left pending so that it fuses with
-    whatever moves the parameters next.
+    The estimator slot is what a `ZOOptimizer` runs its estimates through: :meth:`center_forward` (the loss at
+    ``theta``), :meth:`signed_forwards` (the sweeps and forwards of one estimate at ``theta +- eps z(seed)``) and
+    :meth:`flush`. This class runs them on the whole model; `hf_zo.engine.DualEngine` wraps an instance and runs the
+    same sweeps block by block; `hf_zo.parallel.ParallelEstimation` decides which of the forwards a process runs.
+
+    For a seed ``s`` a two-point estimate evaluates the loss at ``theta + eps * z(s)`` and ``theta - eps * z(s)``;
+    the projected gradient is ``(L+ - L-) / (2 * eps)``. The restore to ``theta`` is left pending so that it fuses
+    with whatever moves the parameters next.
 
     In bf16/fp16 ``(theta + eps z) - 2 eps z + eps z`` is not ``theta``: each step's rounding drifts the weights.
-    With `exact_restore`, the parameters are copied before the perturbation and copied back after the second
-    forward (memory: one copy of the perturbed tensors; one extra pass).
+    With `exact_restore`, the parameters are copied before the perturbation and copied back after the last forward
+    (memory: one copy of the perturbed tensors; one extra pass).
 
     Args:
         params (`LazyParameters`): the parameters to perturb.
         eps (`float`): perturbation scale, > 0.
         exact_restore (`bool`, defaults to `False`): restore from a copy instead of subtracting the noise.
         center_loss (`bool`, defaults to `False`):
-            Also evaluate the loss at ``theta`` (first, on the restored weights) and put the curvature along ``z``
-            in the record: three forwards per estimate instead of two (HiZOO's estimate).
+            :meth:`estimate` also evaluates the loss at ``theta`` (first, on the restored weights) and puts the
+            curvature along ``z`` in the record: three forwards per estimate instead of two (HiZOO's estimate).
     """
 
     def __init__(self, params: LazyParameters, eps: float, exact_restore: bool = False, center_loss: bool = False):
@@ -148,30 +153,14 @@ class SPSAEstimator:
         return make_record(seed, loss_plus, loss_minus, self.eps, loss_center)
 
     @torch.no_grad()
-    def center_forward(self, closure: Callable[[], torch.Tensor | float]) -> float:
-        """The loss at ``theta`` itself: the pending move is applied first, so the forward sees the true weights."""
-        self.params.flush()
-        return _as_float(closure())
+    def center_forward(self, closure: Callable[[], torch.Tensor | float] | None) -> float:
+        """The loss at ``theta`` itself: the pending move is applied first, so the forward sees the true weights.
 
-    @torch.no_grad()
-    def one_sided_forward(self, closure: Callable[[], torch.Tensor | float], seed: int) -> float:
-        """The loss at ``theta + eps z(seed)`` alone: one sweep and one forward (FZOO's estimate).
-
-        The restore is left pending (or copied back with `exact_restore`), as :meth:`signed_forwards` leaves it,
-        also when the closure raises.
+        With `closure` `None` (a process that leaves this forward to another) only the pending move is applied, as
+        the process running the forward applies it, and the loss is NaN.
         """
-        snapshot = None
-        if self.exact_restore:
-            self.params.flush()
-            snapshot = [tensor.detach().clone() for _, tensor in self.params.tensors]
-        offset = 0.0
-        try:
-            self.params.add(seed, self.eps)
-            offset = self.eps
-            self.params.flush()
-            return _as_float(closure())
-        finally:
-            self._restore(seed, offset, snapshot)
+        self.flush()
+        return math.nan if closure is None else loss_value(closure())
 
     @torch.no_grad()
     def signed_forwards(
@@ -179,17 +168,20 @@ class SPSAEstimator:
         closure: Callable[[], torch.Tensor | float] | None,
         seed: int,
         signs: tuple[int, ...] = (+1, -1),
+        points: tuple[int, ...] = (+1, -1),
     ) -> tuple[float, float]:
-        """The sweeps of one two-point estimate, running only the forwards of `signs` (a subset of ``(+1, -1)``).
+        """The sweeps of one estimate: the parameters visit ``theta + sign * eps z(seed)`` for each sign of `points`
+        in order (``(+1, -1)``: a two-point estimate; ``(+1,)``: a one-sided one, one sweep), and the forward runs at
+        the points whose sign is also in `signs`.
 
         The parameters go through the same sweeps whichever forwards run (with `signs` empty, `closure` is not
         called), so ranks that share out an estimate's forwards keep bitwise the same parameters. Afterwards they
-        are restored: from the copy with `exact_restore`, else by a pending ``+eps z`` that the next sweep applies.
+        are restored: from the copy with `exact_restore`, else by a pending move that the next sweep applies.
 
         If anything raises in between (the closure, a `KeyboardInterrupt`, an out-of-memory error), the parameters
         are restored the same way, undoing only the part of the perturbation already made, and the exception
-        propagates: after :meth:`LazyParameters.flush` they hold what they would have held without this estimate,
-        up to the rounding of the normal restore (exactly, with `exact_restore`).
+        propagates: after :meth:`flush` they hold what they would have held without this estimate, up to the
+        rounding of the normal restore (exactly, with `exact_restore`).
 
         Returns:
             `tuple[float, float]`: the losses at ``theta + eps z`` and ``theta - eps z``; NaN for a forward not run.
@@ -198,18 +190,23 @@ class SPSAEstimator:
         if self.exact_restore:
             self.params.flush()
             snapshot = [tensor.detach().clone() for _, tensor in self.params.tensors]
-        losses = [math.nan, math.nan]
+        losses = {+1: math.nan, -1: math.nan}
         offset = 0.0  # the multiple of z(seed) this estimate has added so far, applied or pending
         try:
-            for f, (sign, target) in enumerate(((+1, self.eps), (-1, -self.eps))):
+            for sign in points:
+                target = sign * self.eps
                 self.params.add(seed, target - offset)  # eps, then -2 eps
                 offset = target
                 self.params.flush()
                 if sign in signs:
-                    losses[f] = _as_float(closure())
+                    losses[sign] = loss_value(closure())
         finally:
             self._restore(seed, offset, snapshot)
-        return losses[0], losses[1]
+        return losses[+1], losses[-1]
+
+    def flush(self) -> None:
+        """Apply the pending move, so the parameters hold their true values."""
+        self.params.flush()
 
     def _restore(self, seed: int, offset: float, snapshot: list[torch.Tensor] | None) -> None:
         """Undo a perturbation of ``offset * z(seed)``: composed into the pending move, or copied from `snapshot`."""
@@ -222,6 +219,23 @@ class SPSAEstimator:
         for (_, tensor), saved in zip(self.params.tensors, snapshot):
             tensor.data.copy_(saved)
         _drop_stale_casts()
+
+
+@dataclass(frozen=True)
+class EstimateLosses:
+    """The losses one process measured for one estimate, before they become a record.
+
+    Attributes:
+        seed (`int`): seed of the perturbation noise.
+        loss_plus (`float`): loss at ``theta + eps * z``; NaN if this process did not run that forward.
+        loss_minus (`float`): loss at ``theta - eps * z``; NaN if not run (always, for a one-sided estimate).
+        loss_center (`float`, *optional*): loss at ``theta``, for an optimizer that measures it; else `None`.
+    """
+
+    seed: int
+    loss_plus: float
+    loss_minus: float
+    loss_center: float | None = None
 
 
 def make_record(
@@ -245,7 +259,8 @@ def make_record(
     return ZORecord(seed, (loss_plus - loss_minus) / (2.0 * eps), loss_plus, loss_minus, curvature)
 
 
-def _as_float(loss: torch.Tensor | float) -> float:
+def loss_value(loss: torch.Tensor | float) -> float:
+    """The float value of what a loss closure returned: a one-element tensor or a number (else a clear error)."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise ValueError(f"The loss closure must return a scalar, got a tensor of shape {tuple(loss.shape)}.")

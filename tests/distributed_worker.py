@@ -38,6 +38,7 @@ DISK = dict(zo_engine="dual", zo_offload="disk")
 SLICED = dict(DISK, zo_offload_sliced_upload=True)
 LOZO = dict(zo_optimizer="lozo", zo_lozo_subspace_steps=2)  # the subspace changes within the run
 HIZOO = dict(zo_optimizer="hizoo", zo_hizoo_smooth=1e-3)  # H moves visibly in 4 steps
+FZOO = dict(zo_optimizer="fzoo", zo_num_perturbations=2, learning_rate=1e-5)  # its step is lr / eps * sqrt(d / N)
 # The first-order head alone (no linear probe): its gradient sums are the one non-scalar exchange.
 FIRST_ORDER_HEAD = dict(
     zo_head_init="none", zo_head_training="first_order", dataset=classification_dataset(64), steps=3
@@ -145,7 +146,7 @@ def train(
         per_device_train_batch_size=2,
         gradient_accumulation_steps=accumulation,
         max_steps=steps,
-        learning_rate=1e-3,
+        learning_rate=config.pop("learning_rate", 1e-3),
         weight_decay=0.01,
         zo_eps=1e-2,
         seed=7,
@@ -221,6 +222,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
         runs["lozo"] = train(out, "lozo", tiny_causal_lm("opt"), **LOZO)
         runs["hizoo"] = train(out, "hizoo", tiny_causal_lm("opt"), **HIZOO)
+        runs["fzoo"] = train(out, "fzoo", tiny_causal_lm("opt"), **FZOO)
         runs["disk"] = train(out, "disk", tiny_causal_lm("opt"), **DISK)
         runs["lora_dual"] = train(out, "lora_dual", lora(tiny_causal_lm("llama")), **DUAL)
         runs["lora_disk"] = train(out, "lora_disk", lora(tiny_causal_lm("llama")), **DISK)
@@ -244,6 +246,7 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["lora_accumulate2"] = train(out, "lora_acc", lora(tiny_causal_lm("llama")), accumulation=2)
         runs["lozo_accumulate2"] = train(out, "lozo_acc", tiny_causal_lm("opt"), accumulation=2, **LOZO)
         runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
+        runs["fzoo_accumulate2"] = train(out, "fzoo_acc", tiny_causal_lm("opt"), accumulation=2, **FZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
         runs["ragged_accumulate2"] = train(out, "ragged_acc", tiny_causal_lm("opt"), accumulation=2, **RAGGED)
         runs["stopped_accumulate4"] = train(

@@ -210,3 +210,30 @@ def test_adding_a_group_under_an_update_hook_is_refused_before_any_step():
     optimizer.step(loss)
     optimizer.flush()
     assert optimizer.zo_step == 1 and not torch.equal(bias, torch.zeros(3))
+
+
+def test_an_optimizer_registers_and_describes_itself():
+    """A new optimizer is one class: its name puts it in ZO_OPTIMIZERS, and its declarations are what the config
+    checks, the trainer (`config_kwargs`), the parallel layouts and trajectories read."""
+    from hf_zo.optim import ZOOptimizer
+
+    class HalfStepSGD(ZOSGD, name="half_step_sgd"):
+        supports_offload = False
+        supports_data_parallel = False
+        limitations = {"data_parallel": "half_step_sgd is a test optimizer"}
+
+        @classmethod
+        def config_kwargs(cls, args) -> dict:
+            return {}
+
+    try:
+        assert ZO_OPTIMIZERS["half_step_sgd"] is HalfStepSGD and HalfStepSGD.stateless
+        with pytest.raises(ValueError, match="zo_offload needs zo_optimizer='zo_sgd' \\(got 'half_step_sgd'\\)"):
+            HalfStepSGD.check_execution(engine="dual", offload=True)
+        with pytest.raises(ValueError, match="half_step_sgd is a test optimizer: .* replicas \\(dp=2\\) would"):
+            HalfStepSGD.check_execution(dp_size=2)
+        with pytest.raises(ValueError, match="'zo_sgd' is taken by ZOSGD"):
+            type("Again", (ZOOptimizer,), {}, name="zo_sgd")
+    finally:
+        del ZO_OPTIMIZERS["half_step_sgd"]
+    assert list(ZO_OPTIMIZERS)[:4] == ["zo_sgd", "zo_sgd_momentum", "zo_sgd_sign", "zo_sgd_cons"]

@@ -5,7 +5,7 @@ raises. The multi-process layouts themselves are tested in test_distributed.py."
 import pytest
 import torch
 
-from hf_zo.optim import ZOSGD
+from hf_zo.optim import FZOO, ZOSGD, ZOExecution
 from hf_zo.parallel import ParallelEstimation, ScalarCollectives, ZOMesh
 
 from tiny_models import VOCAB, tiny_causal_lm
@@ -17,10 +17,9 @@ def _batch():
 
 
 def _optimizer(model, parallel: bool, **kwargs) -> ZOSGD:
-    optimizer = ZOSGD(model.parameters(), eps=1e-2, seed=3, **kwargs)
-    if parallel:  # what every multi-process layout installs; on a 1 x 1 mesh it makes the same sweeps
-        optimizer.parallel = ParallelEstimation(ZOMesh(), ScalarCollectives())
-    return optimizer
+    # The layout every multi-process run gets; on a 1 x 1 mesh it makes the same sweeps.
+    layout = ParallelEstimation(ZOMesh(), ScalarCollectives()) if parallel else None
+    return ZOSGD(model.parameters(), eps=1e-2, seed=3, execution=ZOExecution(parallel=layout), **kwargs)
 
 
 def _failing_on(call: int, closure, error: BaseException):
@@ -88,3 +87,30 @@ def test_a_failing_forward_leaves_the_weights_where_they_were(dtype, failing_for
             assert torch.equal(p.detach(), saved)
         else:
             torch.testing.assert_close(p.detach(), saved, rtol=1e-6, atol=1e-6)
+
+
+def test_fzoo_through_the_layout_equals_a_single_process():
+    """FZOO's one-sided estimates go through the same slot as the two-point ones: on a 1 x 1 mesh the layout's
+    sweeps (the centre forward, one sweep per estimate) and records are those of one process, bit for bit."""
+    batch = _batch()
+
+    def trained(parallel: bool) -> list[torch.Tensor]:
+        model = tiny_causal_lm().eval()
+        layout = ParallelEstimation(ZOMesh(), ScalarCollectives()) if parallel else None
+        optimizer = FZOO(model.parameters(), lr=1e-5, eps=1e-2, seed=3, execution=ZOExecution(parallel=layout))
+        for _ in range(3):
+            optimizer.step(lambda: model(**batch).loss)
+        optimizer.flush()
+        return [p.detach() for p in model.parameters()]
+
+    for single, layout in zip(trained(parallel=False), trained(parallel=True), strict=True):
+        assert torch.equal(single, layout)
+
+
+def test_fzoo_refuses_perturbation_parallelism_and_the_dual_engine_but_not_data_parallelism():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="zo_optimizer='fzoo' runs one-sided .* set zo_perturbation_parallel_size=1"):
+        ParallelEstimation(ZOMesh(dp_size=1, pertp_size=2), collectives=None).check(FZOO(params, lr=0.1))
+    ParallelEstimation(ZOMesh(dp_size=2, pertp_size=1), collectives=None).check(FZOO(params, lr=0.1))
+    with pytest.raises(ValueError, match="zo_optimizer='fzoo' runs one-sided .* use zo_engine='sequential'"):
+        FZOO(params, lr=0.1).attach_engine(object())

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..estimator import LazyParameters, ZORecord, _as_float, make_record
+from ..estimator import LazyParameters, SPSAEstimator, loss_value
 from ..noise import NoiseUpdate
 from .blocks import find_blocks
 from .lockstep import Arrival, LockstepPass, current_pass
@@ -58,10 +58,12 @@ class _Unit:
 class DualEngine:
     """Runs the two forwards of each ZO estimate together, block by block, optionally with offloaded blocks.
 
-    Attach it to an optimizer with ``optimizer.attach_engine(engine)``; it then replaces the sequential estimate
-    (`hf_zo.estimator.SPSAEstimator`) and the flush of pending updates. Works with any optimizer when the blocks
-    are resident; with an offloader only the lazily-updating `ZOSGD` is supported (its updates wait in the pending
-    moves until each block arrives).
+    Give it to an optimizer in its execution (``ZOExecution(engine=engine)``, or ``optimizer.attach_engine(engine)``):
+    the optimizer then calls :meth:`wrap` on its sequential estimator (`hf_zo.estimator.SPSAEstimator`), and the
+    engine becomes its estimator slot: :meth:`center_forward`, :meth:`signed_forwards` and :meth:`flush` run the
+    estimator's sweeps block by block. Works with the optimizers that declare `supports_dual_engine`; with an
+    offloader, with those that declare `supports_offload` (`ZOSGD`, whose updates wait in the pending moves until
+    each block arrives).
 
     Args:
         model (`nn.Module`): the model whose loss the closures compute.
@@ -88,6 +90,7 @@ class DualEngine:
         self.blocks = list(offloader.blocks if offloader is not None else (blocks or find_blocks(model)))
         self.exact_restore = exact_restore
         self._params: LazyParameters | None = None
+        self.sequential: SPSAEstimator | None = None
         self._block_units: list[_Unit] = []
         self._rest_units: list[_Unit] = []
         self._write_back: list[list[int]] = []
@@ -98,6 +101,29 @@ class DualEngine:
         self._block_hooks = [
             block.register_forward_pre_hook(self._block_pre_hook(b)) for b, block in enumerate(self.blocks)
         ]
+
+    # ------------------------------------------------------------------ the estimator slot
+
+    def wrap(self, estimator: SPSAEstimator) -> DualEngine:
+        """Run the estimates of `estimator` (its parameters and eps) from now on; returns the engine, which is then
+        the optimizer's estimator slot. An `exact_restore` of `None` follows the estimator's. The blocks are mapped
+        to its parameters (:meth:`bind`) when the first estimate or flush runs."""
+        self.sequential = estimator
+        if self.exact_restore is None:
+            self.exact_restore = estimator.exact_restore
+        return self
+
+    @property
+    def eps(self) -> float:
+        """The perturbation scale, that of the wrapped estimator."""
+        return self.sequential.eps
+
+    @torch.no_grad()
+    def center_forward(self, closure: Callable[[], Any] | None) -> float:
+        """The loss at ``theta``: every pending move applied (offloaded blocks fetched and written back), then the
+        wrapped estimator's forward on the true weights."""
+        self.flush()
+        return self.sequential.center_forward(closure)
 
     # ------------------------------------------------------------------ binding to the optimizer's tensors
 
@@ -149,25 +175,15 @@ class DualEngine:
     # ------------------------------------------------------------------ estimate
 
     @torch.no_grad()
-    def estimate(self, params: LazyParameters, eps: float, closure: Callable[[], Any], seed: int) -> ZORecord | None:
-        """One two-point estimate of `closure` at ``theta +- eps z(seed)``, both forwards in one pass over the blocks.
-
-        Same contract as `SPSAEstimator.estimate`: returns the record (or `None` with a warning for a non-finite
-        loss) and leaves every tensor restored, with the restore pending.
-        """
-        loss_plus, loss_minus = self.signed_forwards(params, eps, closure, seed)
-        return make_record(seed, loss_plus, loss_minus, eps)
-
-    @torch.no_grad()
     def signed_forwards(
         self,
-        params: LazyParameters,
-        eps: float,
         closure: Callable[[], Any] | None,
         seed: int,
         signs: tuple[int, ...] = (+1, -1),
+        points: tuple[int, ...] = (+1, -1),
     ) -> tuple[float, float]:
-        """The sweeps of one estimate, running only the forwards of `signs` (a subset of ``(+1, -1)``).
+        """The sweeps of one two-point estimate, running only the forwards of `signs` (a subset of ``(+1, -1)``):
+        `SPSAEstimator.signed_forwards`, block by block. `points` must be ``(+1, -1)``: both passes run together.
 
         Every tensor goes through the same sweeps, in the same order, whichever forwards run: with `signs` empty
         (and `closure` unused) each block is visited, perturbed, moved and restored without a forward. This is
@@ -177,8 +193,13 @@ class DualEngine:
         Returns:
             `tuple[float, float]`: the losses at ``theta + eps z`` and ``theta - eps z``; NaN for a pass not run.
         """
-        self.bind(params)
-        self._seed, self._eps = seed, eps
+        if tuple(points) != (+1, -1):
+            raise ValueError(
+                f"The dual engine runs both points of a two-point estimate together, not points={tuple(points)} (a "
+                "one-sided estimate); use zo_engine='sequential'."
+            )
+        self.bind(self.sequential.params)
+        self._seed, self._eps = seed, self.eps
         for unit in self._block_units:
             unit.visited = False
         passes = {sign: LockstepPass(sign, closure) for sign in (+1, -1) if sign in signs}
@@ -228,7 +249,7 @@ class DualEngine:
         for unit in self._rest_units + [u for u in self._block_units if not u.visited]:
             self._finish(unit)
         # The sequential engine's conversion: float64 losses stay float64, a model output gets its hint.
-        losses = {sign: _as_float(arrival.result) for sign, arrival in arrivals.items()}
+        losses = {sign: loss_value(arrival.result) for sign, arrival in arrivals.items()}
         return losses.get(+1, math.nan), losses.get(-1, math.nan)
 
     # ------------------------------------------------------------------ moves of one unit
@@ -318,8 +339,9 @@ class DualEngine:
     # ------------------------------------------------------------------ flush
 
     @torch.no_grad()
-    def flush(self, params: LazyParameters) -> None:
+    def flush(self) -> None:
         """Apply every pending update; offloaded blocks are fetched, updated and written back to storage."""
+        params = self.sequential.params
         if self.offloader is None:
             params.flush()
             return

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .sgd import _ChunkwiseZOOptimizer
+from .chunkwise import ChunkwiseZOOptimizer
 
 
-class ZOAdam(_ChunkwiseZOOptimizer):
+class ZOAdam(ChunkwiseZOOptimizer, name="zo_adam"):
     """Adam (with decoupled weight decay, as AdamW) on ``g = mean_i(g_i * z_i)``.
 
     State: the first and second moments of each parameter and a step count per group. Args as
@@ -14,6 +14,11 @@ class ZOAdam(_ChunkwiseZOOptimizer):
 
     state_keys = ("exp_avg", "exp_avg_sq")
     group_hyperparameters = ("betas", "adam_eps", "adam_step")
+
+    @classmethod
+    def config_kwargs(cls, args) -> dict:
+        """`betas` from `adam_beta1` and `adam_beta2`, `adam_eps` from `adam_epsilon` (`TrainingArguments`' fields)."""
+        return {"betas": (args.adam_beta1, args.adam_beta2), "adam_eps": args.adam_epsilon}
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8, **kw):
         if not all(0.0 <= b < 1.0 for b in betas):

@@ -10,6 +10,14 @@ Two ways to drive it:
   once per perturbation sign, under `torch.no_grad`);
 - gradient accumulation (what `ZOTrainer` does): ``opt.estimate(closure)`` once per micro-batch, then
   ``opt.step()`` applies all the records at once.
+
+Every estimate runs through the optimizer's estimator slot (`hf_zo.estimator.SPSAEstimator`, or the engine that
+wraps it) and, on several processes, through its parallel layout: both are given in one
+:class:`~hf_zo.optim.execution.ZOExecution`. The optimizer alone counts its estimates and steps.
+
+Each subclass describes itself for the rest of hf_zo (class attributes read by `ZOConfig`'s checks, the trainer,
+`hf_zo.parallel` and `hf_zo.trajectory`: see "Declarations" in :class:`ZOOptimizer`) and registers under a name
+with ``class MyOptimizer(ZOOptimizer, name="my_optimizer")``, which adds it to :data:`ZO_OPTIMIZERS`.
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..estimator import LazyParameters, SPSAEstimator, ZORecord
+from ..estimator import EstimateLosses, LazyParameters, SPSAEstimator, ZORecord, make_record
 from ..noise import LEGACY_NOISE_ALGORITHM, NOISE_ALGORITHMS, Noise, mix_seed
+from .execution import Closure, Estimator, ZOExecution
 
 logger = logging.getLogger(__name__)
 
-Closure = Callable[[], torch.Tensor | float]
+ZO_OPTIMIZERS: dict[str, type[ZOOptimizer]] = {}
+"""The optimizers selectable by name (`ZOConfig.zo_optimizer`), filled as each class registers with
+``class ...(ZOOptimizer, name=...)``."""
+
+BOTH_SIGNS = (+1, -1)
 
 AUTO_CACHE_MAX_NUMEL = 1 << 22
 """Trainable elements up to which the noise of recent seeds is cached by default (16 MiB of fp32 per seed)."""
@@ -50,8 +63,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         lr (`float`): learning rate.
         eps (`float`, defaults to 1e-3): perturbation scale of the two-point estimate.
         weight_decay (`float`, defaults to 0.0): decoupled weight decay, ``p <- (1 - lr * wd) * p``.
-        noise (`str` or `Noise`, defaults to `"gaussian"`):
-            The perturbation distribution, or a `Noise` (to choose its algorithm, chunk size or threads).
+        noise (`str` or `Noise`, *optional*):
+            The perturbation distribution, or a `Noise` (to choose its algorithm, chunk size or threads); default:
+            the class's `default_noise` (`"gaussian"`).
         num_perturbations (`int`, defaults to 1): perturbations (records) per call of :meth:`estimate`.
         seed (`int`, defaults to 0): base seed; the seed of each perturbation derives from it and the step counter.
         max_consecutive_skips (`int`, *optional*):
@@ -65,15 +79,136 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             Keep each step's noise instead of regenerating it in the following sweeps (memory: a few times the
             trainable size). Default: on when the trainable parameters total at most `AUTO_CACHE_MAX_NUMEL`
             elements (typical of PEFT), off otherwise.
+        execution (`ZOExecution`, *optional*):
+            The engine and parallel layout the estimates run with (see :meth:`set_execution`); default: the
+            sequential estimator in one process.
         **defaults: further per-group hyper-parameters of the subclass (named in `group_hyperparameters`).
+
+    Declarations (class attributes a subclass sets to describe itself; the rest of hf_zo reads them):
+        name: the registry name (given as ``class ...(ZOOptimizer, name="...")``; `None` on unregistered classes).
+        group_hyperparameters, needs_center_loss, stateless, default_noise, min_num_perturbations, supported_noise,
+        supports_offload, supports_dual_engine, supports_data_parallel, supports_perturbation_parallel, replayable,
+        limitations: documented below; :meth:`config_kwargs` names the `ZOConfig` fields of its own arguments.
     """
+
+    name: str | None = None
+    """The name the class is registered under in :data:`ZO_OPTIMIZERS` (`ZOConfig.zo_optimizer`)."""
 
     group_hyperparameters: tuple[str, ...] = ()
     """The per-group hyper-parameters a subclass adds through ``**defaults``; any other keyword is refused."""
 
     needs_center_loss: bool = False
-    """Whether each estimate also measures the loss at the unperturbed weights (its records then carry a curvature;
-    a third forward per estimate). Set by subclasses that use it (HiZOO)."""
+    """Whether each estimate also measures the loss at the unperturbed weights, first, and its record carries the
+    curvature along its perturbation (HiZOO: a third forward per estimate; trajectories then record curvatures). An
+    optimizer that measures that loss once per micro-batch (FZOO) does it in its own :meth:`run_forwards`."""
+
+    stateless: bool = False
+    """Whether the update depends only on the step's records, with no state carried between steps, so that a
+    trajectory recorded from the middle of a run can be replayed (`hf_zo.trajectory`)."""
+
+    replayable: bool = True
+    """Whether a trajectory (seeds, projected gradients, lr, weight decay) determines the run's updates."""
+
+    default_noise: str = "gaussian"
+    """The perturbation distribution used when `noise` is not given."""
+
+    min_num_perturbations: int = 1
+    """The fewest perturbations per micro-batch (`num_perturbations`, `zo_num_perturbations`) the update needs."""
+
+    supported_noise: tuple[str, ...] | None = None
+    """The noise distributions it can perturb with; `None`: all of `hf_zo.noise.NOISE_DISTRIBUTIONS`."""
+
+    supports_offload: bool = False
+    """Whether its update can wait in the pending move until each offloaded block arrives (`zo_offload`)."""
+
+    supports_dual_engine: bool = True
+    """Whether the dual engine (`zo_engine="dual"`) can run its estimates."""
+
+    supports_data_parallel: bool = True
+    """Whether data-parallel replicas, each on its own micro-batches, stay identical (``dp > 1``)."""
+
+    supports_perturbation_parallel: bool = True
+    """Whether the forwards of one micro-batch can be shared among processes (`zo_perturbation_parallel_size > 1`)."""
+
+    limitations: dict[str, str] = {}
+    """Why a feature declared unsupported is refused, by feature (`"dual_engine"`, `"data_parallel"`,
+    `"perturbation_parallel"`, `"noise"`, `"num_perturbations"`, `"replay"`): the error message's text."""
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name = name
+        if name is None:
+            return
+        registered = ZO_OPTIMIZERS.get(name)
+        if registered is not None and registered.__qualname__ != cls.__qualname__:
+            raise ValueError(f"zo_optimizer name {name!r} is taken by {registered.__qualname__}; choose another.")
+        ZO_OPTIMIZERS[name] = cls
+
+    @classmethod
+    def config_kwargs(cls, args) -> dict:
+        """This class's own constructor arguments, read from the `ZOConfig` fields that set them (the arguments of
+        :class:`ZOOptimizer` itself are read by `hf_zo.trainer.build_zo_optimizer`)."""
+        return {}
+
+    @classmethod
+    def check_execution(
+        cls,
+        engine: str = "sequential",
+        offload: bool = False,
+        dp_size: int = 1,
+        pertp_size: int = 1,
+        noise: str | None = None,
+        num_perturbations: int | None = None,
+    ) -> None:
+        """Raise a `ValueError` naming the `ZOConfig` field and the fix when this optimizer cannot run so.
+
+        The one home of each optimizer-specific rule: `ZOConfig` asks it before any model exists, and
+        :meth:`set_execution` and the parallel layout when an engine or a mesh is given.
+
+        Args:
+            engine (`str`): `"sequential"` or `"dual"` (`zo_engine`).
+            offload (`bool`): whether the blocks are offloaded (`zo_offload`).
+            dp_size, pertp_size (`int`): the mesh (``processes / zo_perturbation_parallel_size`` and that size).
+            noise (`str`, *optional*): the noise distribution (`zo_noise`).
+            num_perturbations (`int`, *optional*): `zo_num_perturbations`.
+        """
+        label = f"zo_optimizer={cls.name!r}" if cls.name else cls.__name__
+        reasons = cls.limitations
+        if num_perturbations is not None and num_perturbations < cls.min_num_perturbations:
+            raise ValueError(
+                f"{label} {reasons.get('num_perturbations', 'needs more perturbations per micro-batch')}, so it needs "
+                f"zo_num_perturbations >= {cls.min_num_perturbations} (num_perturbations of the optimizer), got "
+                f"{num_perturbations!r}."
+            )
+        if noise is not None and cls.supported_noise is not None and noise not in cls.supported_noise:
+            choices = " or ".join(repr(n) for n in cls.supported_noise)
+            raise ValueError(
+                f"{label} {reasons.get('noise', 'draws its own noise')} and cannot use zo_noise={noise!r}; set "
+                f"zo_noise={choices}."
+            )
+        if offload and not cls.supports_offload:
+            able = " or ".join(repr(n) for n, c in ZO_OPTIMIZERS.items() if c.supports_offload)
+            raise ValueError(
+                f"zo_offload needs zo_optimizer={able} (got {cls.name or cls.__name__!r}): its update waits in the "
+                "pending move until each block arrives; the others sweep all weights at every step."
+            )
+        if engine != "sequential" and not cls.supports_dual_engine:
+            raise ValueError(
+                f"{label} {reasons.get('dual_engine', 'runs forwards')}, which the dual engine (and so offload) does "
+                "not run; use zo_engine='sequential' without zo_offload."
+            )
+        if pertp_size > 1 and not cls.supports_perturbation_parallel:
+            raise ValueError(
+                f"{reasons.get('perturbation_parallel', label + ' cannot share its forwards among processes')}, "
+                f"which perturbation parallelism does not split between ranks; set zo_perturbation_parallel_size=1 "
+                f"(got {pertp_size}) and use data parallelism instead."
+            )
+        if dp_size > 1 and not cls.supports_data_parallel:
+            raise ValueError(
+                f"{reasons.get('data_parallel', label + ' cannot run on data-parallel replicas')}: its data-parallel "
+                f"replicas (dp={dp_size}) would diverge; use another zo_optimizer or zo_perturbation_parallel_size "
+                "equal to the number of processes."
+            )
 
     def __init__(
         self,
@@ -81,12 +216,13 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         lr: float,
         eps: float = 1e-3,
         weight_decay: float = 0.0,
-        noise: str | Noise = "gaussian",
+        noise: str | Noise | None = None,
         num_perturbations: int = 1,
         seed: int = 0,
         max_consecutive_skips: int | None = None,
         cache_noise: bool | None = None,
         exact_restore: bool | None = None,
+        execution: ZOExecution | None = None,
         **defaults,
     ):
         if not lr >= 0:
@@ -97,6 +233,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
         if not isinstance(num_perturbations, int) or num_perturbations < 1:
             raise ValueError(f"num_perturbations must be an integer >= 1, got {num_perturbations!r}.")
+        type(self).check_execution(num_perturbations=num_perturbations)
         if max_consecutive_skips is not None and max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips}.")
         if unknown := sorted(set(defaults) - set(self.group_hyperparameters)):
@@ -111,7 +248,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             )
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, **defaults))
         if not isinstance(noise, Noise):
-            noise = Noise(noise, device_type=_device_type(self.param_groups))
+            noise = Noise(noise or self.default_noise, device_type=_device_type(self.param_groups))
         self.noise = noise
         self.eps = eps
         self.num_perturbations = num_perturbations
@@ -125,12 +262,11 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self._last_closure: Closure | None = None
         self._warned_empty_step = False
         self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
-        # Set by hf_zo.parallel on a (dp, pertp) mesh: splits the estimates over ranks and gathers their records.
-        self.parallel = None
-        # Set by attach_engine: runs the estimates and flushes instead of the sequential estimator (hf_zo.engine).
-        self.engine = None
+        self.execution = ZOExecution()
         self._exact_restore = exact_restore
         self._build_parameters()
+        if execution is not None:
+            self.set_execution(execution)
         trainable_numel = sum(p.numel() for _, p in self.params.tensors)
         if cache_noise or (cache_noise is None and trainable_numel <= AUTO_CACHE_MAX_NUMEL):
             self.noise.enable_cache(CACHED_STEPS * trainable_numel)
@@ -173,9 +309,48 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                 "(autocast), or set zo_exact_restore=True in ZOConfig (exact_restore=True for an optimizer built by "
                 "hand; memory: one copy of the trainable weights; with zo_engine='dual', one block)."
             )
-        self.estimator = SPSAEstimator(
-            self.params, self.eps, exact_restore=exact_restore, center_loss=self.needs_center_loss
-        )
+        self.sequential_estimator = SPSAEstimator(self.params, self.eps, exact_restore=exact_restore)
+        self.estimator = self._estimator_slot(self.execution)
+
+    # ------------------------------------------------------------------ execution
+
+    def set_execution(self, execution: ZOExecution) -> None:
+        """Run the estimates with `execution`'s engine and parallel layout from now on (what `ZOTrainer` and
+        `hf_zo.parallel.DistZOPlugin.prepare_optimizer` give an optimizer built elsewhere).
+
+        The pending move is applied first, with the engine that made it. Raises if this optimizer cannot run with
+        them (:meth:`check_execution`; the layout's own :meth:`~hf_zo.parallel.ParallelEstimation.check`).
+        """
+        engine, parallel = execution.engine, execution.parallel
+        if engine is not None:
+            offloaded = getattr(engine, "offloader", None) is not None
+            type(self).check_execution(engine="dual", offload=offloaded)
+        if parallel is not None:
+            parallel.check(self)
+        if engine is not self.execution.engine:
+            self.flush()
+        self.execution = execution
+        self.estimator = self._estimator_slot(execution)
+
+    def _estimator_slot(self, execution: ZOExecution) -> Estimator:
+        """The sequential estimator, or the engine of `execution` wrapping it."""
+        engine = execution.engine
+        return self.sequential_estimator if engine is None else engine.wrap(self.sequential_estimator)
+
+    def attach_engine(self, engine) -> None:
+        """Run the estimates and flushes with `engine` (e.g. `hf_zo.engine.DualEngine`), keeping the parallel
+        layout: ``set_execution(ZOExecution(engine=engine, parallel=optimizer.parallel))``."""
+        self.set_execution(ZOExecution(engine=engine, parallel=self.execution.parallel))
+
+    @property
+    def engine(self):
+        """The engine the estimates run with (`execution.engine`), or `None` for the sequential estimator."""
+        return self.execution.engine
+
+    @property
+    def parallel(self):
+        """The parallel layout the estimates are shared with (`execution.parallel`), or `None` in one process."""
+        return self.execution.parallel
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (see `torch.optim.Optimizer.add_param_group`)."""
@@ -201,24 +376,57 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         return mix_seed(self.seed, step, k)
 
     def estimate(self, closure: Closure) -> list[ZORecord]:
-        """Run `num_perturbations` two-point estimates on `closure` and keep their records for :meth:`step`.
+        """Run `num_perturbations` estimates on `closure` and keep their records for :meth:`step`.
 
         Returns the records that were kept (estimates with a non-finite loss are dropped with a warning).
         """
-        if self.parallel is not None:
-            return self.parallel.estimate(self, closure)
-        estimates = []
-        for _ in range(self.num_perturbations):
-            seed = self.perturbation_seed(self.zo_step, self._num_estimates)
+        parallel = self.execution.parallel
+        if parallel is not None:
+            losses = parallel.run_forwards(self, closure, self._num_estimates // self.num_perturbations)
+        else:
+            losses = self.run_forwards(closure, self._num_estimates)
+        return self.keep_estimates(self.records_from(losses), closure)
+
+    def run_forwards(
+        self, closure: Closure | None, first: int, signs: Callable[[int], tuple[int, ...]] | None = None
+    ) -> list[EstimateLosses]:
+        """The sweeps and forwards of one micro-batch's `num_perturbations` estimates, those numbered `first`,
+        `first + 1`, ... in this step, through the estimator slot.
+
+        Args:
+            closure (`Callable`, *optional*):
+                The micro-batch's loss. `None` for a micro-batch another process runs (`hf_zo.parallel`): the
+                parameters go through the same sweeps without a forward, and the estimates are not counted here.
+            first (`int`): the step's number of the first estimate, which seeds its perturbation.
+            signs (`Callable`, *optional*): ``signs(j)``, the forwards of the `j`-th estimate this process runs
+                (a perturbation-parallel group shares them); default: all.
+
+        Returns:
+            `list[EstimateLosses]`: one per estimate; NaN for the forwards not run here.
+        """
+        losses = []
+        for j in range(self.num_perturbations):
+            seed = self._start_estimate(first + j, counted=closure is not None)
+            center = self.estimator.center_forward(closure) if self.needs_center_loss else None
+            run = () if closure is None else (signs(j) if signs is not None else BOTH_SIGNS)
+            plus, minus = self.estimator.signed_forwards(closure, seed, run)
+            losses.append(EstimateLosses(seed, plus, minus, center))
+        return losses
+
+    def _start_estimate(self, k: int, counted: bool) -> int:
+        """The seed of estimate `k` of this step, counted among this process's estimates if `counted`."""
+        if counted:
             self._num_estimates += 1
-            estimates.append(self._estimate_one(closure, seed))
-        return self.keep_estimates(estimates, closure)
+        return self.perturbation_seed(self.zo_step, k)
+
+    def records_from(self, losses: list[EstimateLosses]) -> list[ZORecord | None]:
+        """The records of a micro-batch's estimates (`None` with a warning for one with a non-finite loss)."""
+        return [make_record(e.seed, e.loss_plus, e.loss_minus, self.eps, e.loss_center) for e in losses]
 
     def keep_estimates(self, estimates: list[ZORecord | None], closure: Closure | None) -> list[ZORecord]:
         """Keep the records of `estimates` for :meth:`step`, counting the dropped ones (`None`) as skips.
 
-        Returns the records kept. Used by :meth:`estimate` and by `hf_zo.parallel`, which builds records from
-        losses exchanged between ranks.
+        Returns the records kept.
         """
         kept = []
         for record in estimates:
@@ -230,20 +438,6 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.records.extend(kept)
         self._last_closure = closure
         return kept
-
-    def _estimate_one(self, closure: Closure, seed: int) -> ZORecord | None:
-        if self.engine is not None:
-            return self.engine.estimate(self.params, self.eps, closure, seed)
-        return self.estimator.estimate(closure, seed)
-
-    def attach_engine(self, engine) -> None:
-        """Run estimates and flushes with `engine` (e.g. `hf_zo.engine.DualEngine`) instead of the sequential
-        estimator. The engine must implement ``estimate(params, eps, closure, seed)`` and ``flush(params)``; an
-        engine whose `exact_restore` is `None` restores as this optimizer does."""
-        self.flush()
-        if getattr(engine, "exact_restore", False) is None:
-            engine.exact_restore = self.estimator.exact_restore
-        self.engine = engine
 
     def _count_skip(self) -> None:
         self.num_skipped += 1
@@ -273,8 +467,8 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                 type(self).__name__,
             )
         records, self.records = self.records, []
-        if self.parallel is not None:
-            records = self.parallel.gather_records(self, records)
+        if self.execution.parallel is not None:
+            records = self.execution.parallel.gather_records(self, records)
         loss = sum(r.loss for r in records) / len(records) if records else None
         if records:
             self._apply_records(records)
@@ -328,10 +522,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def flush(self) -> None:
         """Apply any pending (fused, deferred) move so the parameters hold their true values."""
-        if self.engine is not None:
-            self.engine.flush(self.params)
-            return
-        self.params.flush()
+        self.estimator.flush()
 
     # ------------------------------------------------------------------ state
 

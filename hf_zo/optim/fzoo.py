@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
-from ..estimator import ZORecord
+from ..estimator import EstimateLosses, ZORecord
 from .base import Closure, ZOOptimizer, mean_projected_grads
 
 logger = logging.getLogger(__name__)
 
+ONE_SIDED = (+1,)
 
-class FZOO(ZOOptimizer):
+
+class FZOO(ZOOptimizer, name="fzoo"):
     """FZOO (Dang et al., 2025, arXiv 2506.09034), a zeroth-order normalised SGD.
 
     Each call of :meth:`estimate` measures the loss ``l_0`` at ``theta`` and the losses ``l_i`` at
@@ -30,42 +33,59 @@ class FZOO(ZOOptimizer):
     bitwise from its records. The optimizer is stateless apart from the step counter. A step whose estimates all
     give the same loss (``sigma = 0``) changes nothing and is logged.
 
+    Under ZO data parallelism each rank runs the forwards of its own micro-batches and only sweeps its peers'
+    perturbations, as for the two-point optimizers; perturbation parallelism and the dual engine are refused.
+
     Args:
         params, lr, **kwargs: as :class:`ZOOptimizer`.
         num_perturbations (`int`, defaults to 4): N, the one-sided estimates per batch; at least 2.
         noise (`str` or `Noise`, defaults to `"rademacher"`): the perturbation distribution.
     """
 
-    def __init__(self, params, lr: float, num_perturbations: int = 4, noise="rademacher", **kwargs):
-        if not isinstance(num_perturbations, int) or num_perturbations < 2:
-            raise ValueError(
-                f"FZOO normalises its step by the spread of the perturbed losses, so it needs num_perturbations >= 2 "
-                f"(zo_num_perturbations in ZOConfig), got {num_perturbations!r}; the paper uses 8."
-            )
-        super().__init__(params, lr, num_perturbations=num_perturbations, noise=noise, **kwargs)
+    stateless = True
+    default_noise = "rademacher"
+    min_num_perturbations = 2
+    supports_dual_engine = False
+    supports_perturbation_parallel = False
+    limitations = {
+        "num_perturbations": "divides its step by the spread of the perturbed losses (the paper uses 8)",
+        "dual_engine": "runs one-sided forwards around a centre loss",
+        "perturbation_parallel": "zo_optimizer='fzoo' runs one-sided forwards around a centre loss",
+    }
 
-    def estimate(self, closure: Closure) -> list[ZORecord]:
-        """The centre loss and `num_perturbations` one-sided estimates on `closure`, kept for :meth:`step`."""
-        if self.parallel is not None or self.engine is not None:
-            raise ValueError(
-                "FZOO runs with the sequential engine in one process or in plain data parallelism of whole batches "
-                "only; use zo_engine='sequential' without perturbation parallelism, or another zo_optimizer."
-            )
+    def __init__(self, params, lr: float, num_perturbations: int = 4, **kwargs):
+        super().__init__(params, lr, num_perturbations=num_perturbations, **kwargs)
+
+    def run_forwards(
+        self, closure: Closure | None, first: int, signs: Callable[[int], tuple[int, ...]] | None = None
+    ) -> list[EstimateLosses]:
+        """The centre loss, then one sweep and forward at ``theta + eps u_i`` per estimate (see
+        :meth:`ZOOptimizer.run_forwards`; without `closure`, the same sweeps and no forward)."""
         loss_center = self.estimator.center_forward(closure)
-        estimates = []
-        for _ in range(self.num_perturbations):
-            seed = self.perturbation_seed(self.zo_step, self._num_estimates)
-            self._num_estimates += 1
-            loss = self.estimator.one_sided_forward(closure, seed)
-            finite = math.isfinite(loss) and math.isfinite(loss_center)
-            estimates.append(ZORecord(seed, (loss - loss_center) / self.eps, loss, loss_center) if finite else None)
-        if None in estimates:
+        losses = []
+        for j in range(self.num_perturbations):
+            seed = self._start_estimate(first + j, counted=closure is not None)
+            run = () if closure is None else ONE_SIDED
+            loss, _ = self.estimator.signed_forwards(closure, seed, signs=run, points=ONE_SIDED)
+            losses.append(EstimateLosses(seed, loss, math.nan, loss_center))
+        return losses
+
+    def records_from(self, losses: list[EstimateLosses]) -> list[ZORecord | None]:
+        """``(l_i - l_0) / eps`` as each record's projected gradient (`None`, with a warning, if a loss is not
+        finite); the record keeps ``l_i`` as `loss_plus` and ``l_0`` as `loss_minus`."""
+        records = [
+            ZORecord(e.seed, (e.loss_plus - e.loss_center) / self.eps, e.loss_plus, e.loss_center)
+            if math.isfinite(e.loss_plus) and math.isfinite(e.loss_center)
+            else None
+            for e in losses
+        ]
+        if None in records:
             logger.warning(
                 "Non-finite loss in an FZOO estimate (centre loss %s): the parameters are restored and the estimate "
                 "is skipped.",
-                loss_center,
+                losses[0].loss_center if losses else None,
             )
-        return self.keep_estimates(estimates, closure)
+        return records
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         differences = [self.eps * r.projected_grad for r in records]

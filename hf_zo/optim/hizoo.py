@@ -31,7 +31,7 @@ import torch
 from ..estimator import ZORecord
 from ..noise import Noise
 from .base import mean_projected_grads
-from .sgd import _ChunkwiseZOOptimizer
+from .chunkwise import ChunkwiseZOOptimizer
 
 DEFAULT_HESSIAN_SMOOTH = 1e-6
 """Default smoothing `alpha` of the curvature estimate (see :class:`HiZOO`)."""
@@ -74,7 +74,7 @@ class PreconditionedNoise(Noise):
         self._cache.clear()
 
 
-class HiZOO(_ChunkwiseZOOptimizer):
+class HiZOO(ChunkwiseZOOptimizer, name="hizoo"):
     """HiZOO: MeZO's update along perturbations preconditioned by a diagonal curvature estimate ``H`` (see the module
     docstring for the exact update).
 
@@ -88,8 +88,22 @@ class HiZOO(_ChunkwiseZOOptimizer):
     """
 
     needs_center_loss = True
+    supports_dual_engine = False
+    supports_perturbation_parallel = False
+    supported_noise = ("gaussian", "rademacher")
+    limitations = {
+        "dual_engine": "needs three forwards on the same weights per estimate (the loss at theta, then at "
+        "theta +- eps * u)",
+        "perturbation_parallel": "HiZOO measures the loss at the unperturbed weights before each two-point estimate",
+        "noise": "scales the noise element by element",
+    }
     state_keys = ("hessian",)
     group_hyperparameters = ("hessian_smooth",)
+
+    @classmethod
+    def config_kwargs(cls, args) -> dict:
+        """`hessian_smooth` from `zo_hizoo_smooth`."""
+        return {"hessian_smooth": args.zo_hizoo_smooth}
 
     def __init__(self, params, lr: float, hessian_smooth: float = DEFAULT_HESSIAN_SMOOTH, noise="gaussian", **kwargs):
         if not (isinstance(hessian_smooth, (int, float)) and 0.0 <= hessian_smooth < 1.0):
@@ -113,14 +127,6 @@ class HiZOO(_ChunkwiseZOOptimizer):
         if "hessian" not in state:
             state["hessian"] = torch.ones_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
         return [state["hessian"].view(-1)]
-
-    def attach_engine(self, engine) -> None:
-        """Refused: the engines run two forwards per estimate, HiZOO needs a third at the unperturbed weights."""
-        raise ValueError(
-            "zo_optimizer='hizoo' needs three forwards on the same weights per estimate (the loss at theta, then at "
-            "theta +- eps * u), which the dual engine (and so offload) does not run; use zo_engine='sequential' "
-            "without zo_offload."
-        )
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         missing = [r.seed for r in records if r.curvature is None]

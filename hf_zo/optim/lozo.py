@@ -68,7 +68,7 @@ class LowRankNoise(Noise):
         return out
 
 
-class LOZO(ZOSGD):
+class LOZO(ZOSGD, name="lozo"):
     """ZO-SGD (MeZO's update) with LOZO's low-rank perturbations: ``p <- (1 - lr * wd) * p - lr * mean_i(g_i z_i)``
     where every matrix's ``z_i`` has rank `rank` and shares its right factor with the steps of its subspace period.
 
@@ -81,6 +81,14 @@ class LOZO(ZOSGD):
     """
 
     group_hyperparameters = ("rank", "subspace_steps")
+    supports_offload = False  # only ZO-SGD's plain noise is run with offloaded blocks
+    supported_noise = ("gaussian", "rademacher")
+    limitations = {"noise": "draws low-rank factors per weight matrix"}
+
+    @classmethod
+    def config_kwargs(cls, args) -> dict:
+        """`rank` from `zo_lozo_rank`, `subspace_steps` from `zo_lozo_subspace_steps`."""
+        return {"rank": args.zo_lozo_rank, "subspace_steps": args.zo_lozo_subspace_steps}
 
     def __init__(self, params, lr: float, rank: int = 2, subspace_steps: int = 50, noise="gaussian", **kwargs):
         if not isinstance(rank, int) or rank < 1:

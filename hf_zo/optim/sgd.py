@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import torch
 
 from ..estimator import ZORecord
-from ..noise import NoiseUpdate
 from .base import ZOOptimizer, mean_projected_grads
+from .chunkwise import ChunkwiseZOOptimizer
 
 
-class ZOSGD(ZOOptimizer):
+class ZOSGD(ZOOptimizer, name="zo_sgd"):
     """ZO-SGD, the MeZO update: ``p <- (1 - lr * wd) * p - lr * mean_i(g_i * z_i)``.
 
     Stateless: the update is a sum of regenerable noise terms, so it is not applied now but composed into the
     pending move and fused with the next perturbation sweep (or applied by :meth:`flush`). Its only state is the
     step counter. Arguments are those of :class:`ZOOptimizer`.
     """
+
+    stateless = True
+    supports_offload = True
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         lrs, wds = self.group_values("lr"), self.group_values("weight_decay")
@@ -26,60 +27,7 @@ class ZOSGD(ZOOptimizer):
             self.params.add(seed, [-lr * weight for lr in lrs])
 
 
-class _ChunkwiseZOOptimizer(ZOOptimizer):
-    """A ZO optimizer with per-element state: one sweep that restores, regenerates ``g = mean_i(g_i z_i)`` chunk by
-    chunk, and updates the state and the parameters."""
-
-    state_keys: tuple[str, ...] = ()
-
-    def _state_tensors(self, param: torch.Tensor) -> list[torch.Tensor]:
-        state = self.state[param]
-        for key in self.state_keys:
-            if key not in state:
-                state[key] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        return [state[key].view(-1) for key in self.state_keys]
-
-    def _begin_step(self) -> None:
-        """Hook run once per step before the sweep (e.g. to advance bias-correction counters)."""
-
-    @abstractmethod
-    def _update_chunk(self, chunk: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor], group: dict) -> None:
-        """Update one chunk of a parameter in place from its gradient chunk and its state chunks."""
-
-    def _apply_records(self, records: list[ZORecord]) -> None:
-        self._begin_step()
-        pending = self.params.take_pending()
-        weights = mean_projected_grads(records)
-        tensors = self.params.tensors
-        states = [self._state_tensors(p) for _, p in tensors]
-
-        def visit(position, start, chunk, scratch):
-            z, grad = scratch
-            self._restore_and_average(chunk, z, grad, tensors[position][0], start, pending[position], weights)
-            stop = start + chunk.numel()
-            group = self.param_groups[self._group_of[position]]
-            self._update_chunk(chunk, grad, [s[start:stop] for s in states[position]], group)
-
-        self.noise.map_chunks(tensors, visit, num_scratch=2)
-
-    def _restore_and_average(
-        self,
-        chunk: torch.Tensor,
-        z: torch.Tensor,
-        grad: torch.Tensor,
-        index: int,
-        start: int,
-        update: NoiseUpdate,
-        weights: list[tuple[int, float]],
-    ) -> None:
-        """Apply the pending `update` to `chunk` and write ``g = sum_i w_i z_i`` of the same elements into `grad`
-        (`z` is scratch for the noise), for ``(seed_i, w_i)`` in `weights`."""
-        self.noise.update_chunk_(chunk, z, index, start, update.decay, list(update.terms.items()))
-        grad.zero_()
-        self.noise.update_chunk_(grad, z, index, start, 1.0, weights)
-
-
-class ZOSGDMomentum(_ChunkwiseZOOptimizer):
+class ZOSGDMomentum(ChunkwiseZOOptimizer, name="zo_sgd_momentum"):
     """ZO-SGD with heavy-ball momentum: ``m <- beta * m + g``, ``p <- (1 - lr * wd) * p - lr * m``.
 
     State: one momentum buffer per parameter. Args as :class:`ZOOptimizer`, plus `momentum` (default 0.9).
@@ -87,6 +35,11 @@ class ZOSGDMomentum(_ChunkwiseZOOptimizer):
 
     state_keys = ("momentum_buffer",)
     group_hyperparameters = ("momentum",)
+
+    @classmethod
+    def config_kwargs(cls, args) -> dict:
+        """`momentum` from `zo_momentum`."""
+        return {"momentum": args.zo_momentum}
 
     def __init__(self, params, lr: float, momentum: float = 0.9, **kwargs):
         if not 0.0 <= momentum < 1.0:
@@ -101,8 +54,10 @@ class ZOSGDMomentum(_ChunkwiseZOOptimizer):
         chunk.add_(buffer.to(chunk.dtype), alpha=-group["lr"])
 
 
-class ZOSGDSign(_ChunkwiseZOOptimizer):
+class ZOSGDSign(ChunkwiseZOOptimizer, name="zo_sgd_sign"):
     """ZO-SignSGD: ``p <- (1 - lr * wd) * p - lr * sign(g)``. Stateless apart from the step counter."""
+
+    stateless = True
 
     def _update_chunk(self, chunk, grad, state, group):
         if group["weight_decay"]:
@@ -110,7 +65,7 @@ class ZOSGDSign(_ChunkwiseZOOptimizer):
         chunk.add_(grad.sign_().to(chunk.dtype), alpha=-group["lr"])
 
 
-class ZOSGDConservative(ZOOptimizer):
+class ZOSGDConservative(ZOOptimizer, name="zo_sgd_cons"):
     """Conservative ZO-SGD: of the candidates ``theta``, ``theta - lr g z`` and ``theta + lr g z`` keep the one with
     the lowest loss on the step's last batch (three extra forwards per step, no state).
 
@@ -118,6 +73,14 @@ class ZOSGDConservative(ZOOptimizer):
     raises (an error, an out-of-memory, a `KeyboardInterrupt`), the step is abandoned: the parameters are put back
     at ``theta`` (pending, as the "keep ``theta``" choice would leave them) and the exception propagates.
     """
+
+    supports_data_parallel = False
+    replayable = False
+    limitations = {
+        "data_parallel": "zo_sgd_cons chooses its update from the loss on each rank's own last batch",
+        "replay": "picks each update by comparing the training loss at three candidate weights, and a trajectory "
+        "does not record which one won; train with zo_sgd for a replayable run",
+    }
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         closure = self._last_closure

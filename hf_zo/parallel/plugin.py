@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from ..engine import offload_model
 from ..offload import BlockOffloader
-from ..optim.base import ZOOptimizer
+from ..optim import ZOExecution, ZOOptimizer
 from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
@@ -208,8 +208,15 @@ class DistZOPlugin:
         )
         return self.offloader
 
+    def layout(self) -> ParallelEstimation | None:
+        """The parallel layout of this mesh, for an optimizer's `hf_zo.optim.ZOExecution` (`None` in a single
+        process): ``ZOSGD(params, lr, execution=ZOExecution(parallel=plugin.layout()))``."""
+        mesh = self.setup()
+        return ParallelEstimation(mesh, self.collectives) if mesh.world_size > 1 else None
+
     def prepare_optimizer(self, optimizer: ZOOptimizer) -> ZOOptimizer:
-        """Make `optimizer` split its estimates over the mesh (nothing changes in a single process).
+        """Make an optimizer built without :meth:`layout` split its estimates over the mesh, keeping its engine
+        (`ZOOptimizer.set_execution`; nothing changes in a single process or when it has a layout already).
 
         Args:
             optimizer (`ZOOptimizer`): built over the same parameters, base seed and hyper-parameters on every rank.
@@ -217,11 +224,9 @@ class DistZOPlugin:
         Returns:
             `ZOOptimizer`: the same optimizer.
         """
-        mesh = self.setup()
-        if mesh.world_size > 1 and optimizer.parallel is None:
-            strategy = ParallelEstimation(mesh, self.collectives)
-            strategy.check(optimizer)
-            optimizer.parallel = strategy
+        parallel = self.layout()
+        if parallel is not None and optimizer.parallel is None:
+            optimizer.set_execution(ZOExecution(engine=optimizer.engine, parallel=parallel))
         return optimizer
 
     def prepare_data_loader(self, dataloader: DataLoader) -> DataLoader:

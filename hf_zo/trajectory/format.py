@@ -43,7 +43,7 @@ from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
 from ..noise import LEGACY_NOISE_ALGORITHM
-from ..optim import FZOO, ZO_OPTIMIZERS, ZOSGD, ZOOptimizer, ZOSGDConservative, ZOSGDSign
+from ..optim import ZO_OPTIMIZERS, ZOOptimizer
 from .base import frozen_fingerprint, initial_tensors_not_in_base
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
@@ -62,7 +62,6 @@ _ESTIMATE = struct.Struct("<Qd")
 _ESTIMATE_WITH_CURVATURE = struct.Struct("<Qdd")
 _DIGEST_BYTES = 32
 _LRS_FOLLOW, _WDS_FOLLOW, _CURVATURES_FOLLOW = 1, 2, 4
-_STATELESS = (ZOSGD, ZOSGDSign, FZOO)
 
 
 class TrajectoryFormatError(ValueError):
@@ -541,13 +540,9 @@ class ZOTrajectory:
         cls = optimizer_class(spec["class"])
         if cls is None:
             return f"its optimizer {spec['class']} is not one of hf_zo.ZO_OPTIMIZERS"
-        if issubclass(cls, ZOSGDConservative):
-            return (
-                f"its optimizer {spec['name']} ({spec['class']}) picks each update by comparing the training loss at "
-                "three candidate weights, and a trajectory does not record which one won; train with zo_sgd for a "
-                "replayable run"
-            )
-        if self.first_step > 0 and not issubclass(cls, _STATELESS):
+        if not cls.replayable:
+            return f"its optimizer {spec['name']} ({spec['class']}) {cls.limitations['replay']}"
+        if self.first_step > 0 and not cls.stateless:
             return (
                 f"it starts at step {self.first_step} and {spec['class']}'s state (moments, momentum) at that step is "
                 "not recorded"
