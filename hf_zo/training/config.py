@@ -333,12 +333,6 @@ class ZOConfig(TrainingArguments):
                 f"zo_offload={self.zo_offload!r} needs zo_engine='dual' (got {self.zo_engine!r}): only "
                 "the dual engine visits each block once per estimate."
             )
-        if self.zo_optimizer != "zo_sgd":
-            raise ValueError(
-                f"zo_offload needs zo_optimizer='zo_sgd' (got {self.zo_optimizer!r}): its update "
-                "waits in the pending move until each block arrives; the others sweep all weights at "
-                "every step."
-            )
         if self.zo_offload_dir is not None and self.zo_offload != "disk":
             raise ValueError(f"zo_offload_dir is only used by zo_offload='disk', got zo_offload={self.zo_offload!r}.")
         if self.bf16_full_eval or self.fp16_full_eval:
@@ -416,11 +410,6 @@ class ZOConfig(TrainingArguments):
             raise ValueError(f"zo_lozo_rank must be an integer >= 1, got {self.zo_lozo_rank!r}.")
         if not isinstance(self.zo_lozo_subspace_steps, int) or self.zo_lozo_subspace_steps < 1:
             raise ValueError(f"zo_lozo_subspace_steps must be an integer >= 1, got {self.zo_lozo_subspace_steps!r}.")
-        if self.zo_optimizer == "lozo" and self.zo_noise == "table":
-            raise ValueError(
-                "zo_optimizer='lozo' draws low-rank factors per weight matrix and cannot use zo_noise='table'; set "
-                "zo_noise='gaussian' (the default) or 'rademacher'."
-            )
         if self.zo_head_init not in HEAD_INIT_CHOICES:
             raise ValueError(f"Unknown zo_head_init {self.zo_head_init!r}; choose one of {list(HEAD_INIT_CHOICES)}.")
         if self.zo_head_training not in HEAD_TRAINING_CHOICES:
@@ -456,46 +445,19 @@ class ZOConfig(TrainingArguments):
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
             )
         self._validate_hizoo_arguments()
-        self._validate_fzoo_arguments()
+        # Every optimizer-specific rule (offload, engine, layout, noise, perturbations) is the optimizer's declaration.
+        ZO_OPTIMIZERS[self.zo_optimizer].check_execution(
+            engine=self.zo_engine,
+            offload=self.zo_offload is not None,
+            pertp_size=self.zo_perturbation_parallel_size,
+            noise=self.zo_noise,
+            num_perturbations=self.zo_num_perturbations,
+        )
 
     def _validate_hizoo_arguments(self) -> None:
         if not (isinstance(self.zo_hizoo_smooth, (int, float)) and 0.0 <= self.zo_hizoo_smooth < 1.0):
             raise ValueError(
                 f"zo_hizoo_smooth must be in [0, 1), got {self.zo_hizoo_smooth!r}; HiZOO uses 1e-9 to 1e-6."
-            )
-        if self.zo_optimizer != "hizoo":
-            return
-        if self.zo_engine != "sequential":
-            raise ValueError(
-                f"zo_optimizer='hizoo' needs three forwards on the same weights per estimate, which "
-                f"zo_engine={self.zo_engine!r} does not run; use zo_engine='sequential'."
-            )
-        if self.zo_perturbation_parallel_size > 1:
-            raise ValueError(
-                "zo_optimizer='hizoo' measures the loss at the unperturbed weights before each estimate, which "
-                f"perturbation parallelism does not split (zo_perturbation_parallel_size="
-                f"{self.zo_perturbation_parallel_size}); set zo_perturbation_parallel_size=1 (data parallelism works)."
-            )
-        if self.zo_noise == "table":
-            raise ValueError(
-                "zo_optimizer='hizoo' scales the noise element by element and cannot use zo_noise='table'; set "
-                "zo_noise='gaussian' (the default) or 'rademacher'."
-            )
-
-    def _validate_fzoo_arguments(self) -> None:
-        if self.zo_optimizer != "fzoo":
-            return
-        if self.zo_num_perturbations < 2:
-            raise ValueError(
-                f"zo_optimizer='fzoo' divides its step by the spread of the perturbed losses, so it needs "
-                f"zo_num_perturbations >= 2 (got {self.zo_num_perturbations}); FZOO's paper uses 8, hf_zo's "
-                "prompt default 4."
-            )
-        if self.zo_engine != "sequential" or self.zo_perturbation_parallel_size > 1:
-            raise ValueError(
-                "zo_optimizer='fzoo' runs one-sided forwards around a centre loss, which the dual engine and "
-                "perturbation parallelism do not split; use zo_engine='sequential' and "
-                "zo_perturbation_parallel_size=1."
             )
 
 
