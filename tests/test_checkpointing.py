@@ -12,7 +12,7 @@ import transformers.trainer
 from huggingface_hub.utils import filter_repo_objects
 from transformers import TrainerCallback
 
-import hf_zo.trainer
+import hf_zo.training.checkpointing
 from hf_zo import ZOTrainer
 from hf_zo.training.checkpointing import check_resumable
 
@@ -121,13 +121,13 @@ def test_the_first_order_heads_state_is_published_with_the_checkpoint(tmp_path, 
     """The head's AdamW state is in the staged checkpoint, so a published checkpoint (what a kill right after the
     publish leaves, and what callbacks and Hub pushes see) is never without it."""
     published = []
-    publish = hf_zo.trainer.publish_checkpoint
+    publish = hf_zo.training.checkpointing.publish_checkpoint
 
     def recording_publish(staged, final):
         published.append(sorted(os.listdir(staged)))
         publish(staged, final)
 
-    monkeypatch.setattr(hf_zo.trainer, "publish_checkpoint", recording_publish)
+    monkeypatch.setattr(hf_zo.training.checkpointing, "publish_checkpoint", recording_publish)
     watcher = _ListCheckpoint()
     args = zo_args(tmp_path, save_strategy="steps", save_steps=2, max_steps=4)
     trainer = ZOTrainer(
@@ -242,7 +242,7 @@ def test_resuming_after_a_publish_killed_half_way_finds_the_older_checkpoint(tmp
     os.replace(out / "checkpoint-4", out / "checkpoint-4.replaced")  # the older copy, its successor never moved in
     (out / ".zo-staging" / "checkpoint-4").mkdir(parents=True)
     checked = []
-    monkeypatch.setattr(hf_zo.trainer, "check_resumable", checked.append)
+    monkeypatch.setattr(hf_zo.training.checkpointing, "check_resumable", checked.append)
 
     trainer = ZOTrainer(model=tiny_causal_lm(), args=zo_args(tmp_path, max_steps=4), train_dataset=lm_dataset())
     trainer.train(resume_from_checkpoint=True)

@@ -151,7 +151,7 @@ def test_first_order_defaults_of_plain_training_arguments_are_named(tmp_path, ca
     from transformers import TrainingArguments
 
     common = dict(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
-    with caplog.at_level(logging.WARNING, logger="hf_zo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="hf_zo.training.arguments"):
         set_for_zo = TrainingArguments(
             **common,
             learning_rate=1e-6,

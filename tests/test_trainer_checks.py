@@ -7,7 +7,7 @@ from torch import nn
 from hf_zo import ZOSGD, ZOTrainer
 from hf_zo.parallel import DistZOPlugin
 from hf_zo.parallel.mesh import ZOMesh
-from hf_zo.trainer import _check_sampling_fits_layout
+from hf_zo.training.checks import check_sampling_fits_layout
 
 from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm, zo_args
 
@@ -85,10 +85,10 @@ def test_batch_rebalance_with_perturbation_parallelism_is_refused(tmp_path):
     with pytest.raises(
         ValueError, match="train_sampling_strategy='batch_rebalance' cannot feed perturbation parallelism"
     ):
-        _check_sampling_fits_layout(args, ZOMesh(dp_size=1, pertp_size=2))
-    _check_sampling_fits_layout(args, ZOMesh(dp_size=2, pertp_size=1))  # one rank per batch: its sampler fits
+        check_sampling_fits_layout(args, ZOMesh(dp_size=1, pertp_size=2))
+    check_sampling_fits_layout(args, ZOMesh(dp_size=2, pertp_size=1))  # one rank per batch: its sampler fits
     args = zo_args(tmp_path, train_sampling_strategy="group_by_length")
-    _check_sampling_fits_layout(args, ZOMesh(dp_size=1, pertp_size=2))
+    check_sampling_fits_layout(args, ZOMesh(dp_size=1, pertp_size=2))
 
 
 def test_batch_rebalance_with_perturbation_parallelism_fails_at_construction(tmp_path, monkeypatch):

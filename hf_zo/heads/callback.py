@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from ..models.pooled_classifier import pooling_mismatch
+from ..parallel.mesh import ZOMesh
 from .first_order import FirstOrderHead, schedule_scale
 from .probe import fit_linear_probe, probe_examples
 
@@ -25,6 +27,7 @@ __all__ = [
     "HEAD_OPTIMIZER_NAME",
     "ZOHeads",
     "find_head_modules",
+    "first_order_parameter_names",
     "head_parameter_names",
     "is_sequence_classifier",
     "prepare_zo_heads",
@@ -106,6 +109,15 @@ def head_parameter_names(model: nn.Module, heads: Mapping[str, nn.Module]) -> li
     """Qualified names of the trainable parameters inside `heads`, in `model.named_parameters()` order."""
     prefixes = tuple(name + "." for name in heads)
     return [name for name, p in model.named_parameters() if p.requires_grad and name.startswith(prefixes)]
+
+
+def first_order_parameter_names(model: nn.Module, args) -> set[str]:
+    """Names of the parameters of `model` that `args.zo_head_training` trains first-order, which the ZO optimizer
+    leaves out (empty when the head trains zeroth-order)."""
+    _, head_training = resolve_head_options(model, args.zo_head_init, args.zo_head_training)
+    if head_training != "first_order":
+        return set()
+    return set(head_parameter_names(model, find_head_modules(model, args.zo_head_modules)))
 
 
 class ZOHeads(TrainerCallback):
@@ -197,17 +209,41 @@ def _check_probe_fits(model: nn.Module) -> None:
         )
 
 
-def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None, fit_probe: bool = True) -> ZOHeads:
-    """Apply `trainer.args.zo_head_*` to `trainer.model` at the start of training.
+def prepare_zo_heads(
+    model: nn.Module,
+    args,
+    mesh: ZOMesh,
+    *,
+    train_dataset=None,
+    probe_dataloader: Callable[[Any], Iterable] | None = None,
+    gather: Callable | None = None,
+    show_progress: bool = True,
+    resume_from_checkpoint: str | bool | None = None,
+    fit_probe: bool = True,
+) -> ZOHeads:
+    """Apply `args.zo_head_*` to `model` at the start of training.
 
     Fits the linear probe (unless resuming, as the checkpoint holds the head, or `fit_probe` is `False`, as for a
     head an earlier `train()` call fitted and trained) and sets up the first-order head, whose parameters
     `ZOTrainer.create_optimizer` then leaves out of the ZO parameter set.
 
+    Args:
+        model (`nn.Module`): the model about to train.
+        args (`ZOConfig`): the run's arguments (`zo_head_*`, `seed`, `weight_decay`, `output_dir`, batch sizes).
+        mesh (`ZOMesh`): the run's layout, over which the first-order head sums its gradients.
+        train_dataset (*optional*): the examples the probe is fitted on.
+        probe_dataloader (`Callable`, *optional*): turns the probe's examples into batches, sharded over the
+            processes like evaluation (`Trainer.get_test_dataloader`); needed to fit the probe.
+        gather (`Callable`, *optional*): gathers a tensor from every process (`Accelerator.gather_for_metrics`);
+            `None` in a single process.
+        show_progress (`bool`): show the probe's progress bar (the local main process, unless `disable_tqdm`).
+        resume_from_checkpoint (`str` or `bool`, *optional*): as for `Trainer.train`; the first-order head's state is
+            loaded from that checkpoint.
+        fit_probe (`bool`): fit the linear probe if `zo_head_init` asks for it.
+
     Returns:
-        `ZOHeads`: registered as a callback of `trainer`.
+        `ZOHeads`: to register as a callback of the trainer.
     """
-    args, model = trainer.args, trainer.model
     head_init, head_training = resolve_head_options(model, args.zo_head_init, args.zo_head_training)
     if head_init == "none" and head_training == "zeroth_order":
         return ZOHeads()
@@ -216,15 +252,12 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None, 
         logger.warning(mismatch)
     if head_init == "linear_probe" and fit_probe and not resume_from_checkpoint:
         _check_probe_fits(model)
-        if trainer.train_dataset is None:
+        if train_dataset is None:
             raise ValueError("zo_head_init='linear_probe' needs a train_dataset to fit the head on.")
         name, head = list(heads.items())[-1]  # the module that produces the logits
         max_samples = args.zo_head_init_max_samples
-        examples = probe_examples(trainer.train_dataset, max_samples, args.seed)
-        # Sharded over the processes like evaluation, but not cached: `get_eval_dataloader` would store this loader
-        # as the one `evaluate()` reuses when `dataloader_persistent_workers` is set (or hand the probe that one).
-        batches = trainer.get_test_dataloader(examples)
-        gather = trainer.accelerator.gather_for_metrics if args.world_size > 1 else None
+        examples = probe_examples(train_dataset, max_samples, args.seed)
+        batches = probe_dataloader(examples)
         total = None
         with contextlib.suppress(TypeError):  # a DataLoader over an IterableDataset has no length
             total = len(batches)
@@ -237,7 +270,7 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None, 
             total=total,
             desc="Linear probe",
             leave=False,
-            disable=args.disable_tqdm or not trainer.is_local_process_zero(),
+            disable=not show_progress,
         ) as progress:
             accuracy = fit_linear_probe(
                 model, head, progress, max_samples=max_samples, l2=args.zo_head_init_l2, gather=gather
@@ -252,7 +285,7 @@ def prepare_zo_heads(trainer, resume_from_checkpoint: str | bool | None = None, 
         [named[n] for n in names],
         lr=args.zo_head_learning_rate,
         weight_decay=args.weight_decay,
-        mesh=trainer.zo_plugin.setup(),
+        mesh=mesh,
     )
     zo_heads = ZOHeads(list(heads), names, first_order)
     if resume_from_checkpoint:

@@ -1,6 +1,8 @@
-"""What `ZOTrainer` (`hf_zo.trainer`) is built from: its arguments (`config`), the learning rate and eps chosen by
-what the model trains (`defaults`), the order of the training examples (`sampling`) and crash-safe checkpoints
-(`checkpointing`)."""
+"""What `ZOTrainer` (`hf_zo.trainer`) is built from: its arguments (`config`, and what the trainer does with those it
+is given: `arguments`), the learning rate and eps chosen by what the model trains (`defaults`), the checks of its
+set-up (`checks`), the parameter groups of its optimizer (`param_groups`), its pending updates (`pending_updates`),
+and the mixins of `ZOTrainerMixin` beside the ZO hooks: crash-safe checkpoints (`checkpointing`), the order of the
+examples (`sampling`) and the placement of model and data under the distributed layout (`layout`)."""
 
 from .config import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES, ZOConfig
 from .defaults import METHOD_DEFAULTS, MethodDefaults, fill_method_defaults, trained_method

@@ -11,10 +11,18 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import TrainerCallback
+from torch.utils.data import RandomSampler, SequentialSampler
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+from transformers.trainer_utils import has_length
+from transformers.utils import logging
 
-__all__ = ["SamplerEpochCallback", "ZOLengthGroupedSampler"]
+from ..heads import example_lengths
+from .checks import check_sampling_fits_layout
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["SamplerEpochCallback", "ZOLengthGroupedSampler", "ZOSamplingMixin"]
 
 
 class ZOLengthGroupedSampler(LengthGroupedSampler):
@@ -55,13 +63,65 @@ class SamplerEpochCallback(TrainerCallback):
 
     `Trainer` and Accelerate pass the epoch on through the dataloader, but a resumed multi-process run skips its done
     batches through a `SkipBatchSampler` wrapped around Accelerate's `BatchSamplerShard`, and neither reaches the
-    sampler below them: the resumed epoch would draw epoch 0's order. `ZOTrainer` sets :attr:`sampler` when it builds
-    one; the epoch is the whole part of `state.epoch`, which a checkpoint stores.
+    sampler below them: the resumed epoch would draw epoch 0's order. The trainer builds its sampler through
+    :meth:`build_sampler`, so that this callback knows it; the epoch is the whole part of `state.epoch`, which a
+    checkpoint stores.
+
+    Attributes:
+        sampler (`ZOLengthGroupedSampler` or `None`): the sampler last built, whose epoch this callback sets.
     """
 
     def __init__(self):
         self.sampler: ZOLengthGroupedSampler | None = None
 
+    def build_sampler(self, lengths: list[int], global_batch_size: int, seed: int) -> ZOLengthGroupedSampler:
+        """A :class:`ZOLengthGroupedSampler` (same arguments), whose epoch this callback then sets."""
+        self.sampler = ZOLengthGroupedSampler(lengths, global_batch_size, seed)
+        return self.sampler
+
     def on_epoch_begin(self, args, state, control, **kwargs):
         if self.sampler is not None:
             self.sampler.set_epoch(math.floor(state.epoch or 0))
+
+
+class ZOSamplingMixin:
+    """The `Trainer` hooks that choose the order of the examples under ZO: length-grouped training batches over the
+    global batch (`ZOConfig`'s default `train_sampling_strategy="group_by_length"`), evaluation in the data set's
+    order, and the global batch counted over data-parallel groups only.
+
+    Mixed into `ZOTrainerMixin`, ahead of a `transformers.Trainer`; reads the trainer's `zo_plugin` (the layout) and
+    `zo_sampler_epoch` (a :class:`SamplerEpochCallback` added as a callback).
+    """
+
+    def _get_train_sampler(self, train_dataset=None):
+        """`Trainer`'s sampler, except with `train_sampling_strategy="group_by_length"` (`ZOConfig`'s default): a
+        :class:`ZOLengthGroupedSampler` over the global batch, or random sampling with a warning when the examples'
+        lengths cannot be read."""
+        check_sampling_fits_layout(self.args, self.zo_plugin.setup())
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy != "group_by_length" or dataset is None or not has_length(dataset):
+            return super()._get_train_sampler(train_dataset)
+        input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+        lengths = example_lengths(dataset, self.args.length_column_name, input_name[0])
+        if lengths is None:
+            logger.warning(
+                "train_sampling_strategy='group_by_length' (ZOConfig's default) needs each training example's "
+                f"length: a '{self.args.length_column_name}' column or '{input_name[0]}' in every example, which "
+                f"this {type(dataset).__name__} lacks. Batches are drawn at random instead; set "
+                "train_sampling_strategy='random' to silence this, or add the column."
+            )
+            return RandomSampler(dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return self.zo_sampler_epoch.build_sampler(lengths, self.get_total_train_batch_size(self.args), seed)
+
+    def _get_eval_sampler(self, eval_dataset):
+        """Evaluation and prediction keep the data set's order: only training batches are grouped by length, so
+        `predict` returns one row per example in order whatever `train_sampling_strategy` is."""
+        if eval_dataset is None or not has_length(eval_dataset):
+            return None
+        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Examples per optimizer step: the ranks of a perturbation-parallel group share theirs, so only the
+        data-parallel groups multiply the batch."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.zo_plugin.setup().dp_size

@@ -18,8 +18,8 @@ logger = logging.get_logger(__name__)
 class ZOTrajectoryCallback(TrainerCallback):
     """Records the trajectory of a `ZOTrainer` run; `ZOTrainer` adds it and saves its trajectory with the model.
 
-    On a resumed run it continues the trajectory saved in the checkpoint (set `resume_from` before training), so the
-    trajectory of a resumed run is the whole run.
+    On a resumed run it continues the trajectory saved in the checkpoint (name it with :meth:`continue_from` before
+    training), so the trajectory of a resumed run is the whole run.
 
     Attributes:
         trajectory (`ZOTrajectory`): the trajectory being recorded, once training has begun.
@@ -30,6 +30,11 @@ class ZOTrajectoryCallback(TrainerCallback):
         self.trajectory: ZOTrajectory | None = None
         self.resume_from: str | None = None
         self._handle = None
+
+    def continue_from(self, checkpoint: str | None) -> None:
+        """Continue the trajectory saved in the checkpoint folder `checkpoint` when training begins (`None`: start
+        one, or go on with the one recorded so far)."""
+        self.resume_from = checkpoint
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         while optimizer is not None and not isinstance(optimizer, ZOOptimizer):

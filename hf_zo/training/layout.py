@@ -1,0 +1,96 @@
+"""Where the model and the data go under the run's `DistZOPlugin` layout: identical replicas, offloaded blocks,
+batches sharded by data-parallel rank, and no gradient-synchronising wrapper."""
+
+from __future__ import annotations
+
+import torch
+from transformers import TrainingArguments
+from transformers.trainer_utils import enable_full_determinism, set_seed
+
+from ..parallel import DistZOPlugin
+from ..parallel.replicas import ReplicaCallback
+from .checks import check_parallel_mode, check_sampling_fits_layout
+
+__all__ = ["ZOLayoutMixin", "replica_state"]
+
+
+def replica_state(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The tensors replicas must agree on: the parameters (only the trainable ones if `trainable_only`) and the
+    buffers of `model`, with their names."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only]
+    return params + list(model.named_buffers())
+
+
+class ZOLayoutMixin:
+    """The `Trainer` hooks that place the model and shard the data as the trainer's `zo_plugin` lays the run out.
+
+    Mixed into `ZOTrainerMixin`, ahead of a `transformers.Trainer`. Its state: `zo_plugin` (the `DistZOPlugin` of
+    the run) and `zo_offloader` (the offloaded blocks' storage, or `None`), set by :meth:`_setup_zo_layout`.
+    """
+
+    def _setup_zo_layout(self, args: TrainingArguments, model: torch.nn.Module | None) -> None:
+        """Build the run's `zo_plugin` from `args` and make `model` (if given) ready for it, before `Trainer` is set
+        up: a layout the launch or the sampling cannot feed fails here, not at `train()`."""
+        # The plugin holds the execution layout, offload included; it destroys the process groups at exit.
+        self.zo_plugin = DistZOPlugin.from_zo_config(args)
+        self.zo_plugin.setup()
+        check_sampling_fits_layout(args, self.zo_plugin.mesh)
+        check_parallel_mode(args, self.zo_plugin.mesh.world_size)
+        self.zo_offloader = None
+        if model is not None:
+            self._prepare_zo_model(model, args.device)
+
+    def _add_zo_replica_check(self) -> None:
+        """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical."""
+        if self.zo_plugin.is_distributed:
+            self.add_callback(
+                ReplicaCallback(
+                    self.args.zo_verify_replicas_steps,
+                    self.zo_plugin.replica_collectives,
+                    lambda: replica_state(self.model, trainable_only=True),
+                    flush=self.flush_pending_update,
+                )
+            )
+
+    def _prepare_zo_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Make `model` ready before `Trainer` places it on `device`: identical on every rank, and offloaded."""
+        # What DDP does when it wraps a model: every rank starts from rank 0's weights (a new head or LoRA matrix
+        # is initialised from each process's own RNG). Done before offload, while every tensor is resident.
+        self.zo_plugin.sync_replicas(replica_state(model))
+        # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the resident
+        # modules reach the device.
+        if self.zo_plugin.offload is not None:
+            self.zo_offloader = self.zo_plugin.prepare_model(model, device)
+        return model
+
+    def call_model_init(self, trial=None) -> torch.nn.Module:
+        """`Trainer.call_model_init`, with the model made ready for ZO (synchronised replicas, offloaded blocks)."""
+        model = self._prepare_zo_model(super().call_model_init(trial), self.args.device)
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(self._tag_names)
+        return model
+
+    def _reinit_zo_model(self, trial) -> None:
+        """Rebuild the model from `model_init` at the start of `train()`, as `Trainer.train` does, but before the
+        head options are applied, so that the linear probe fits the head of the model that then trains."""
+        args = self.args
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        self.model = self.call_model_init(trial)
+        self.optimizer, self.lr_scheduler = None, None
+        if self.place_model_on_device:
+            self._move_model_to_device(self.model, args.device)
+        self.model_wrapped = self.model
+
+    def get_train_dataloader(self):
+        """`Trainer.get_train_dataloader`, sharded by data-parallel rank (`zo_plugin`): the ranks of one
+        perturbation-parallel group see the same batches."""
+        return self.zo_plugin.prepare_data_loader(super().get_train_dataloader())
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Never wrap the model for gradient synchronisation: ZO replicas exchange scalars (`zo_plugin`), and DDP
+        would allocate and all-reduce model-sized gradient buckets for nothing."""
+        model = super()._wrap_model(model, training=False, dataloader=dataloader)
+        if training and model is self.model:
+            # Mixed precision and compilation only; marks the model prepared so `accelerator.prepare` keeps it bare.
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        return model
