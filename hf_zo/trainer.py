@@ -22,7 +22,7 @@ from transformers import Trainer, TrainingArguments
 from .engine import DualEngine
 from .heads import ZOHeads, first_order_parameter_names, prepare_zo_heads
 from .noise import Noise
-from .optim import ZO_OPTIMIZERS, ZOOptimizer
+from .optim import ZO_OPTIMIZERS, ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
 from .training.arguments import prepare_zo_args
 from .training.checkpointing import ZOCheckpointingMixin
@@ -87,8 +87,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         self.add_callback(self.zo_trajectory_callback)
         self._add_zo_replica_check()
         if self.optimizer is not None:
-            self.zo_plugin.prepare_optimizer(self.zo_optimizer)
-            self._attach_zo_engine(self.zo_optimizer)
+            self.zo_optimizer.set_execution(self._zo_execution(self.zo_optimizer))
             self._zo_step_stamp.attach(self.zo_optimizer)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
@@ -131,18 +130,19 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         fill_method_defaults(self.args, model)  # a model from `model_init`
         # Offloaded blocks rest on the CPU but are perturbed where they compute: the noise follows that device.
         working = self.zo_offloader.device.type if self.zo_offloader is not None else None
-        self.optimizer = build_zo_optimizer(self.args, param_groups, device_type=working)
-        self.zo_plugin.prepare_optimizer(self.optimizer)
-        self._attach_zo_engine(self.optimizer)
+        self.optimizer = build_zo_optimizer(self.args, param_groups, working, self._zo_execution())
         self._zo_step_stamp.attach(self.optimizer)
         return self.optimizer
 
-    def _attach_zo_engine(self, optimizer: ZOOptimizer) -> None:
-        """With `zo_engine="dual"`, run the estimates block by block (with the offloaded blocks, if any)."""
+    def _zo_execution(self, optimizer: ZOOptimizer | None = None) -> ZOExecution:
+        """The engine (`zo_engine="dual"`: block by block, over the offloaded blocks if any) and the parallel layout
+        (`zo_plugin`) the ZO optimizer runs with; a passed-in `optimizer` keeps what it has otherwise."""
+        current = optimizer.execution if optimizer is not None else ZOExecution()
+        engine = current.engine
         if self.args.zo_engine == "dual":
             # zo_exact_restore=None: the engine restores as the optimizer decided (on for small fp16/bf16 sets).
             engine = DualEngine(self.model, offloader=self.zo_offloader, exact_restore=self.args.zo_exact_restore)
-            optimizer.attach_engine(engine)
+        return ZOExecution(engine=engine, parallel=current.parallel or self.zo_plugin.layout())
 
     # ------------------------------------------------------------------ training step
 
@@ -269,8 +269,11 @@ class ZOTrainer(ZOTrainerMixin, Trainer):
     """
 
 
-def build_zo_optimizer(args: ZOConfig, param_groups: list[dict], device_type: str | None = None) -> ZOOptimizer:
-    """Instantiate the optimizer named by `args.zo_optimizer` with the hyper-parameters of `args`.
+def build_zo_optimizer(
+    args: ZOConfig, param_groups: list[dict], device_type: str | None = None, execution: ZOExecution | None = None
+) -> ZOOptimizer:
+    """Instantiate the optimizer registered as `args.zo_optimizer` with the hyper-parameters of `args`: those of every
+    `ZOOptimizer`, and the class's own (`config_kwargs`), running with `execution` (engine and parallel layout).
 
     `device_type` is where the parameters are perturbed, which `zo_noise_algorithm="auto"` follows (default: where
     the first parameter lives; offloaded blocks rest elsewhere).
@@ -287,15 +290,6 @@ def build_zo_optimizer(args: ZOConfig, param_groups: list[dict], device_type: st
         max_consecutive_skips=args.zo_max_consecutive_skips,
         cache_noise=args.zo_noise_cache,
         exact_restore=args.zo_exact_restore,
+        execution=execution,
     )
-    if args.zo_optimizer == "zo_sgd_momentum":
-        kwargs["momentum"] = args.zo_momentum
-    elif args.zo_optimizer == "zo_adam":
-        kwargs["betas"] = (args.adam_beta1, args.adam_beta2)
-        kwargs["adam_eps"] = args.adam_epsilon
-    elif args.zo_optimizer == "lozo":
-        kwargs["rank"] = args.zo_lozo_rank
-        kwargs["subspace_steps"] = args.zo_lozo_subspace_steps
-    elif args.zo_optimizer == "hizoo":
-        kwargs["hessian_smooth"] = args.zo_hizoo_smooth
-    return cls(param_groups, **kwargs)
+    return cls(param_groups, **kwargs, **cls.config_kwargs(args))
