@@ -187,7 +187,14 @@ def run(name: str, options: argparse.Namespace, tokenizer, train, validation) ->
     trainer.add_callback(clock)
     start = time.perf_counter()
     if name == "linear_probe":
-        prepare_zo_heads(trainer).close()  # what ZOTrainer.train() does first: fit the probe; no ZO step
+        # What ZOTrainer.train() does first: fit the probe; no ZO step.
+        prepare_zo_heads(
+            trainer.model,
+            trainer.args,
+            trainer.zo_plugin.setup(),
+            train_dataset=trainer.train_dataset,
+            probe_dataloader=trainer.get_test_dataloader,
+        ).close()
     elif name != "untrained_head":
         trainer.train()
     seconds = time.perf_counter() - start

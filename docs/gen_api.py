@@ -13,7 +13,7 @@ HEADER = """# API reference
 
 Every public object of hf_zo, by module, with its signature and what it is for. The objects re-exported by
 `import hf_zo` are: `ZOConfig`, `ZOTrainer`, the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
-`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `HiZOO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder classifier
+`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `HiZOO`, `FZOO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder classifier
 (`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the estimator
 (`ZORecord`, `LazyParameters`, `SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`,
 `restore_and_update_`) and the trajectory API (`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`,
@@ -22,7 +22,8 @@ Everything else is imported from its module (`from hf_zo.heads import fit_linear
 are taken from the code; the docstrings (`help(obj)`) have the full argument lists.
 
 The command line: `hf-zo replay BASE TRAJECTORY OUT` and `hf-zo inspect TRAJECTORY` (module `hf_zo.cli`, see
-[trajectories](trajectory.md)); `python -m hf_zo.demo` is `make demo`; `examples/train.py` is described in
+[trajectories](trajectory.md)) and `hf-zo embedded-llm` (prints the embedded LLM's folder); `python -m hf_zo.demo` is
+`make demo`; `examples/train.py` is described in
 [examples/README.md](../examples/README.md).
 
 ## Trainer and configuration
@@ -75,6 +76,7 @@ SECTIONS = [
     ("Sentence-encoder classifiers", "hf_zo.models.pooled_classifier", None),
     ("Norm tuning (PEFT `LNTuningConfig` on any model)", "hf_zo.models.norm_layers", None),
     ("The embedded LLM", "hf_zo.models.smollm2", None),
+    ("Prompt-based classification (MeZO's recipe)", "hf_zo.prompts", None),
     ("PEFT's warnings that nobody can act on", "hf_zo.peft_warnings", None),
     ("Training batches grouped by length", "hf_zo.training.sampling", None),
     ("Metrics", "hf_zo.metrics", None),

@@ -7,7 +7,18 @@ from .models import (
     load_sequence_classifier,
 )
 from .noise import Noise, NoiseUpdate, perturb_, restore_and_update_
-from .optim import LOZO, ZO_OPTIMIZERS, ZOSGD, HiZOO, ZOAdam, ZOOptimizer, ZOSGDConservative, ZOSGDMomentum, ZOSGDSign
+from .optim import (
+    FZOO,
+    LOZO,
+    ZO_OPTIMIZERS,
+    ZOSGD,
+    HiZOO,
+    ZOAdam,
+    ZOOptimizer,
+    ZOSGDConservative,
+    ZOSGDMomentum,
+    ZOSGDSign,
+)
 from .parallel import DistZOPlugin
 from .trainer import ZOTrainer
 from .training import ZOConfig
@@ -37,6 +48,7 @@ __all__ = [
     "PooledEncoderConfig",
     "PooledEncoderForSequenceClassification",
     "load_sequence_classifier",
+    "FZOO",
     "HiZOO",
     "LazyParameters",
     "LOZO",

@@ -53,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-zo", description="Zeroth-order fine-tuning trajectories.")
+    parser = argparse.ArgumentParser(
+        prog="hf-zo", description="Zeroth-order fine-tuning trajectories, and the embedded LLM."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     rebuild = commands.add_parser("replay", help="Apply a trajectory to its base model and save the result.")
@@ -77,7 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--json", action="store_true", help="Print the JSON header only.")
     show.set_defaults(run=_inspect)
+
+    embedded = commands.add_parser(
+        "embedded-llm",
+        help="Print the folder of the embedded LLM (SmolLM2-135M-Instruct), materialising it on first use.",
+    )
+    embedded.add_argument("--dtype", default="float32", help="Dtype of the saved weights (float32, bfloat16).")
+    embedded.set_defaults(run=_embedded_llm)
     return parser
+
+
+def _embedded_llm(args: argparse.Namespace) -> int:
+    from .models import embedded_llm_path
+
+    print(embedded_llm_path(dtype=args.dtype))
+    return 0
 
 
 def _non_negative_int(value: str) -> int:

@@ -163,12 +163,12 @@ def test_first_order_head_runs_differ_with_their_accumulation(reference):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk", "hizoo", "stopped"])
+@pytest.mark.parametrize("run", ["full", "lora", "lora_dual", "disk", "hizoo", "fzoo", "stopped"])
 def test_trajectory_of_a_data_parallel_run_replays_in_one_process(dp2, run):
     # Each rank records the perturbations of every rank, in global order, so one process replays the whole run.
     base = (
         tiny_causal_lm("opt")
-        if run in ("full", "disk", "hizoo", "stopped")
+        if run in ("full", "disk", "hizoo", "fzoo", "stopped")
         else distributed_worker.lora(tiny_causal_lm("llama"))
     )
     model = replay(base, ZOTrajectory.from_bytes(dp2[0]["runs"][run]["trajectory"]))

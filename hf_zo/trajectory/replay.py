@@ -85,8 +85,10 @@ def replay(
     ):
         for group, lr, weight_decay in zip(optimizer.param_groups, step.lrs, step.weight_decays):
             group["lr"], group["weight_decay"] = lr, weight_decay
-        for seed in step.seeds:
-            optimizer.estimator.estimate(_no_loss, seed)
+        # Each micro-batch's sweeps, as the optimizer made them (two-point, one-sided around a centre, ...), without
+        # the forwards: the same path a data-parallel rank takes for its peers' micro-batches.
+        for first in range(0, len(step.seeds), optimizer.num_perturbations):
+            optimizer.run_forwards(None, first)
         optimizer.records = step.records
         optimizer.step()
     optimizer.flush()
@@ -146,10 +148,6 @@ def _write_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sta
             )
         with torch.no_grad():
             parameter.copy_(value)
-
-
-def _no_loss() -> float:
-    return 0.0
 
 
 def _build_optimizer(trajectory: ZOTrajectory, tensors: dict[str, torch.Tensor]) -> ZOOptimizer:

@@ -1,0 +1,140 @@
+"""The LLM demo: the embedded SmolLM2-135M-Instruct learns a prompt task by zeroth-order training alone.
+
+The model scores " terrible" / " great" after "<sentence> It was" (MeZO's SST-2 prompt,
+`hf_zo.prompts.PromptClassification`); LoRA (r=8 on q_proj, v_proj) is trained with FZOO (`zo_optimizer="fzoo"`:
+four one-sided Rademacher estimates around the centre loss, step normalised by their spread) on the 320 training
+sentences of `hf_zo/demo/data`. No head, no probe: every point of accuracy gained is ZO's. It prints the held-out
+accuracy before and after, one generation before and after, and the peak resident memory of ZO training against an
+inference pass and against one first-order (AdamW) step on the same batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import DATA_DIR
+from .memory import PeakMemory
+
+TEMPLATE = "{sentence} It was"
+LABEL_WORDS = (" terrible", " great")
+GENERATION_PROMPT = "The acting was wooden and the plot made no sense. It was"
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 4) -> str:
+    """The greedy continuation of `prompt`."""
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def first_order_peak(model, task, rows: list[dict]) -> PeakMemory:
+    """The peak resident memory of one first-order AdamW step on `rows` (the trainable weights are put back)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trainable]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    batch = task(rows)
+    labels = batch.pop("labels")
+    model.train()
+    with PeakMemory() as memory:
+        loss = task.compute_loss(model(**batch), labels)
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for param, value in zip(trainable, saved):
+            param.copy_(value)
+    model.eval()
+    return memory
+
+
+def run(demo) -> dict:
+    """Run the LLM demo with `demo`'s options (`DemoArguments`) and return its summary."""
+    from datasets import load_dataset
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from hf_zo import ZOConfig, ZOTrainer
+    from hf_zo.metrics import build_compute_metrics
+    from hf_zo.models import EMBEDDED_LLM_ID, embedded_llm_path
+    from hf_zo.peft_warnings import peft_warnings_ignored
+    from hf_zo.prompts import PromptClassification
+
+    set_seed(demo.seed)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    path = embedded_llm_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    task = PromptClassification(tokenizer, TEMPLATE, LABEL_WORDS)
+    files = {"train": str(DATA_DIR / "sentiment_train.jsonl"), "test": str(DATA_DIR / "sentiment_test.jsonl")}
+    data = task.tokenize(load_dataset("json", data_files=files))
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lora = LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=demo.lora_rank,
+        lora_alpha=2 * demo.lora_rank,
+        target_modules=["q_proj", "v_proj"],
+    )
+    with peft_warnings_ignored():
+        model = get_peft_model(model, lora)
+    args = ZOConfig(
+        output_dir=demo.output_dir,
+        max_steps=demo.max_steps,
+        per_device_train_batch_size=demo.batch_size,
+        per_device_eval_batch_size=demo.batch_size,  # inference memory measured at the training batch
+        learning_rate=demo.learning_rate,
+        lr_scheduler_type="constant",
+        zo_eps=demo.zo_eps,
+        zo_optimizer="fzoo",
+        zo_num_perturbations=4,
+        zo_noise="rademacher",
+        logging_steps=max(1, demo.max_steps // 10),
+        save_strategy="no",
+        report_to=[],
+        seed=demo.seed,
+        use_cpu=True,
+        label_names=["labels"],
+    )
+    trainer = ZOTrainer(
+        model=model,
+        args=args,
+        train_dataset=data["train"],
+        eval_dataset=data["test"],
+        processing_class=tokenizer,
+        compute_metrics=build_compute_metrics(["accuracy"]),
+        **task.trainer_kwargs(),
+    )
+    generation_before = generate(model, tokenizer, GENERATION_PROMPT)
+    with PeakMemory() as inference_memory:
+        before = trainer.evaluate()
+    start = time.perf_counter()
+    with PeakMemory() as training_memory:
+        trainer.train()
+    wall_time = time.perf_counter() - start
+    after = trainer.evaluate()
+    generation_after = generate(model, tokenizer, GENERATION_PROMPT)
+    first_order_memory = first_order_peak(model, task, [data["train"][i] for i in range(demo.batch_size)])
+    trainer.save_model()
+
+    return {
+        "model": f"{EMBEDDED_LLM_ID} + LoRA, FZOO (hf_zo ZOTrainer)",
+        "prompt": f"{TEMPLATE!r} -> {' / '.join(repr(w) for w in LABEL_WORDS)}",
+        "train_examples": len(data["train"]),
+        "test_examples": len(data["test"]),
+        "steps": demo.max_steps,
+        "accuracy_zero_shot": round(before["eval_accuracy"], 4),
+        "accuracy_after_zo_training": round(after["eval_accuracy"], 4),
+        "loss_zero_shot": round(before["eval_loss"], 4),
+        "loss_after_zo_training": round(after["eval_loss"], 4),
+        "generation_prompt": GENERATION_PROMPT,
+        "generation_before": generation_before,
+        "generation_after": generation_after,
+        "train_wall_time_s": round(wall_time, 1),
+        "inference_peak_mib": round(inference_memory.peak_mib, 1),
+        "zo_training_peak_mib": round(training_memory.peak_mib, 1),
+        "first_order_step_peak_mib": round(first_order_memory.peak_mib, 1),
+        "zo_over_inference_memory": round(training_memory.peak_mib / inference_memory.peak_mib, 3),
+        "first_order_over_inference_memory": round(first_order_memory.peak_mib / inference_memory.peak_mib, 3),
+    }
