@@ -62,8 +62,11 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         processing_class=None,
         **kwargs,
     ):
-        args = prepare_zo_args(args, model, train_dataset, self._zo_config_class)
-        self._setup_zo_layout(args, model)
+        args = prepare_zo_args(args, model, self._zo_config_class)
+        self._setup_zo_layout(args)
+        # Set up once `Trainer` has the final model (`create_accelerator_and_postprocess`); a model loaded to be
+        # evaluated may be frozen.
+        self._zo_model_pending, self._zo_training_in_view = True, train_dataset is not None
         self._init_zo_checkpointing()
         super().__init__(
             model=model,
@@ -95,6 +98,25 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         self._zo_log_skipped = 0
         self.zo_heads = ZOHeads()
         self._zo_probed_model = None  # the model whose head `train()` has fitted (see `zo_head_init`)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """`Trainer.create_accelerator_and_postprocess`, then, the first time, the model made ready for ZO.
+
+        `Trainer.__init__` calls it with its final model, before placing it on the device: a subclass such as TRL's
+        `SFTTrainer` has by then loaded a model given by name and applied its `peft_config`. So the trainable
+        parameters are checked, the unset learning rate and `zo_eps` are those of what it trains, and replicas are
+        synchronised and blocks offloaded on the model that trains.
+        """
+        super().create_accelerator_and_postprocess()
+        if not self._zo_model_pending:  # called again by a hyper-parameter search, whose models come from model_init
+            return
+        self._zo_model_pending = False
+        if self.model is None:  # model_init: prepared in call_model_init, its defaults filled in create_optimizer
+            return
+        if self._zo_training_in_view:
+            check_trainable(self.model)
+            fill_method_defaults(self.args, self.model)
+        self._prepare_zo_model(self.model, self.args.device)
 
     def _check_zo_train_dataset(self) -> None:
         """Fail at construction, not mid-training, when the training data cannot produce a loss."""

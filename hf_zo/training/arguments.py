@@ -12,9 +12,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from .checks import check_trainable
 from .config import ZOConfig
-from .defaults import fill_method_defaults
 
 logger = logging.get_logger(__name__)
 
@@ -64,28 +62,23 @@ def follow_process_log_level(args: TrainingArguments) -> None:
 
 def prepare_zo_args(
     args: TrainingArguments | None,
-    model: torch.nn.Module | None,
-    train_dataset,
+    model: torch.nn.Module | str | None,
     config_class: type[ZOConfig] = ZOConfig,
 ) -> ZOConfig:
     """The `config_class` a trainer of `model` runs with, given the `args` it was passed.
 
-    `None` becomes the defaults with `output_dir` named after the model, a plain `TrainingArguments` is converted
-    (:func:`to_zo_config`), and hf_zo's loggers follow its log level. When training is in view (a model and a
-    `train_dataset`), the model must have trainable parameters, and the learning rate and `zo_eps` left unset are
-    filled in by what it trains, in a copy: the caller's `args` stay unset.
+    `None` becomes the defaults with `output_dir` named after the model (an instance or a name to load), a plain
+    `TrainingArguments` is converted (:func:`to_zo_config`), and hf_zo's loggers follow its log level. The learning
+    rate and `zo_eps` left unset are filled in a copy, so the caller's `args` stay unset: by what the model trains,
+    once the trainer's model is final (`ZOTrainerMixin.create_accelerator_and_postprocess`), or in `create_optimizer`.
     """
     if args is None:
-        model_name = getattr(getattr(model, "config", None), "_name_or_path", None) or "model"
+        named = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        model_name = named or "model"
         args = config_class(output_dir=f"{model_name.split('/')[-1]}-ZO")
     elif not isinstance(args, config_class):
         args = to_zo_config(args, config_class)
     follow_process_log_level(args)
-    if model is not None and train_dataset is not None:  # a model loaded to be evaluated may be frozen
-        check_trainable(model)
     if args.learning_rate is None or args.zo_eps is None:
-        # Filled in by method, here when training is in view or else in create_optimizer; the caller's stay unset.
-        args = copy.copy(args)
-        if model is not None and train_dataset is not None:
-            fill_method_defaults(args, model)
+        args = copy.copy(args)  # filled in by what the model trains, later; the caller's stay unset
     return args

@@ -28,17 +28,16 @@ class ZOLayoutMixin:
     the run) and `zo_offloader` (the offloaded blocks' storage, or `None`), set by :meth:`_setup_zo_layout`.
     """
 
-    def _setup_zo_layout(self, args: TrainingArguments, model: torch.nn.Module | None) -> None:
-        """Build the run's `zo_plugin` from `args` and make `model` (if given) ready for it, before `Trainer` is set
-        up: a layout the launch or the sampling cannot feed fails here, not at `train()`."""
+    def _setup_zo_layout(self, args: TrainingArguments) -> None:
+        """Build the run's `zo_plugin` from `args` before `Trainer` is set up: a layout the launch or the sampling
+        cannot feed fails here, not at `train()`. The model is made ready for it once it is final
+        (:meth:`_prepare_zo_model`)."""
         # The plugin holds the execution layout, offload included; it destroys the process groups at exit.
         self.zo_plugin = DistZOPlugin.from_zo_config(args)
         self.zo_plugin.setup()
         check_sampling_fits_layout(args, self.zo_plugin.mesh)
         check_parallel_mode(args, self.zo_plugin.mesh.world_size)
         self.zo_offloader = None
-        if model is not None:
-            self._prepare_zo_model(model, args.device)
 
     def _add_zo_replica_check(self) -> None:
         """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical."""
