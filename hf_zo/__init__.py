@@ -35,6 +35,18 @@ from .trajectory import (
 
 __version__ = "0.1.0"
 
+_NEEDS_TRL = ("ZOSFTConfig", "ZOSFTTrainer")
+
+
+def __getattr__(name: str):
+    # Imported on first use, so that `import hf_zo` works without TRL (`pip install "hf_zo[trl]"`).
+    if name in _NEEDS_TRL:
+        from . import sft
+
+        return getattr(sft, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "TRAJECTORY_NAME",
     "TrajectoryFormatError",

@@ -1,0 +1,136 @@
+"""`ZOSFTTrainer`: TRL's `SFTTrainer` with zeroth-order (MeZO-style) optimization.
+
+`ZOSFTTrainer` is :class:`~hf_zo.trainer.ZOTrainerMixin` over `trl.SFTTrainer`, as `ZOTrainer` is over
+`transformers.Trainer`: TRL prepares the data (language modelling, conversational, prompt-completion, packing),
+loads the model and applies `peft_config`; the ZO wiring trains it. The few hooks here only keep SFT's training
+metrics right under ZO (docs/trl.md). Needs TRL: ``pip install "hf_zo[trl]"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as error:
+    raise ImportError(
+        'ZOSFTTrainer and ZOSFTConfig need TRL, which is not installed: pip install "hf_zo[trl]"'
+    ) from error
+
+from .trainer import ZOTrainerMixin
+from .training import ZOConfig
+
+__all__ = ["ZOSFTConfig", "ZOSFTTrainer", "check_sft_options"]
+
+
+def check_sft_options(args: SFTConfig) -> None:
+    """Fail on the `SFTConfig` options that need a backward pass, which ZO training never runs.
+
+    Raises:
+        ValueError: naming the option and the value to set.
+    """
+    refused = {
+        "activation_offloading": "it offloads the activations kept for the backward pass (and ZO's training step "
+        "does not enter SFTTrainer's offloading context)",
+        "gradient_checkpointing": "it recomputes activations for the backward pass; ZO keeps none to save",
+        "use_liger_kernel": "Liger's kernels are written for first-order training; TRL deprecates the option for "
+        "Hub kernels (model_init_kwargs={'use_kernels': True})",
+    }
+    for name, reason in refused.items():
+        if getattr(args, name, False):
+            raise ValueError(
+                f"{name}=True is not supported by ZOSFTTrainer: {reason}. ZO runs forward passes only; set "
+                f"{name}=False."
+            )
+
+
+@dataclass
+class ZOSFTConfig(ZOConfig, SFTConfig):
+    """Configuration class for [`ZOSFTTrainer`]: every argument of `ZOConfig` (the `zo_*` options and ZO's defaults,
+    e.g. a learning rate chosen by what the model trains) and of TRL's `SFTConfig` (the data and the model loading).
+
+    Where both set a default, `ZOConfig`'s holds. `gradient_checkpointing` defaults to `False` (TRL's: `True`);
+    `gradient_checkpointing`, `activation_offloading` and `use_liger_kernel` set to `True` are refused
+    (:func:`check_sft_options`).
+
+    Parameters that change from `SFTConfig`:
+        gradient_checkpointing (`bool`, *optional*, defaults to `False`):
+            Must stay `False`: ZO runs no backward pass.
+    """
+
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Must stay False: ZO runs no backward pass, so nothing is recomputed."}
+    )
+
+    def __post_init__(self):
+        check_sft_options(self)
+        super().__post_init__()
+
+
+class ZOSFTTrainer(ZOTrainerMixin, SFTTrainer):
+    """Trainer for zeroth-order supervised fine-tuning: a drop-in replacement for `trl.SFTTrainer`.
+
+    Each training step is `ZOTrainer`'s: two-point estimates on the loss `SFTTrainer.compute_loss` computes (over
+    the completion or assistant tokens when `completion_only_loss` / `assistant_only_loss` say so). SFT's training
+    metrics (`entropy`, `mean_token_accuracy`, `num_tokens`) are recorded once per micro-batch, from its first
+    forward, which runs on perturbed weights; the other forwards of the micro-batch record none.
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`): the model, or its name to load, as for `SFTTrainer`.
+        args (`ZOSFTConfig`, *optional*): training arguments; an `SFTConfig` or `TrainingArguments` is converted.
+        **kwargs: any other `SFTTrainer` argument (`train_dataset`, `processing_class`, `peft_config`, ...).
+    """
+
+    _tag_names = [*ZOTrainerMixin._tag_names, *SFTTrainer._tag_names]
+    _zo_config_class = ZOSFTConfig
+    _zo_forwards: int | None = None  # forwards of the current ZO micro-batch; None outside training_step
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """`ZOTrainerMixin.training_step`, counting its forwards so that SFT's metrics are recorded once."""
+        self._zo_forwards = 0
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._zo_forwards = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """`SFTTrainer.compute_loss`; in a ZO training step, whose forwards run in eval mode, its metrics go to the
+        training metrics from the first forward and nowhere from the others."""
+        if self._zo_forwards is None:  # evaluation and prediction
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        first = self._zo_forwards == 0
+        self._zo_forwards += 1
+        kept = self._metrics
+        if first:
+            # SFTTrainer counts the tokens in train mode only; ZO's forwards run in eval mode.
+            self._total_train_tokens += self._count_tokens(inputs) // self._tp_size
+            self._metrics = {"train": kept["train"], "eval": kept["train"]}
+        else:
+            self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._metrics = kept
+
+    def _count_tokens(self, inputs: dict) -> int:
+        """The tokens of this micro-batch over all processes, as `SFTTrainer.compute_loss` counts them."""
+        if "attention_mask" in inputs:
+            local = inputs["attention_mask"].sum()
+        else:  # padding-free batches carry position_ids instead
+            local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+        return int(self.accelerator.gather_for_metrics(local).sum().item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`SFTTrainer.log`, which reads the training metrics while the model is in train mode: ZO's training steps
+        leave it in eval mode."""
+        model = self.model
+        training = "loss" in logs and not model.training
+        with contextlib.ExitStack() as stack:
+            if training:
+                model.train()
+                stack.callback(model.eval)
+            super().log(logs, start_time)
