@@ -20,7 +20,7 @@ from trl import SFTConfig
 from hf_zo import ZOSFTConfig, ZOSFTTrainer, ZOTrainer, ZOTrajectory, replay
 from hf_zo.training import METHOD_DEFAULTS
 
-from tiny_models import VOCAB, lm_dataset, tiny_causal_lm, zo_args
+from tiny_models import VOCAB, lm_dataset, ragged_lm_dataset, tiny_causal_lm, zo_args
 
 WORDS = ["user", "assistant", ":", "is", "it", "good", "bad", "yes", "no", "the", "movie", "plot", "a", "fine"]
 
@@ -212,6 +212,19 @@ def test_peft_config_trains_the_adapter_only_with_lora_defaults(tmp_path):
     for name, param in base.named_parameters():
         if "lora_" not in name:
             assert torch.equal(param, frozen[name.replace(".base_layer", "")]), name
+
+
+def test_packed_padding_free_batches_train_and_count_their_tokens(tmp_path):
+    """Packing (TRL's best-fit, padding-free: `position_ids` and no attention mask) under ZO's default sampler."""
+    data = ragged_lm_dataset(8).remove_columns(["attention_mask", "labels"])
+    args = sft_args(tmp_path, packing=True, max_length=32, train_sampling_strategy="group_by_length")
+    trainer = ZOSFTTrainer(model=tiny_causal_lm("llama"), args=args, train_dataset=data, processing_class=tokenizer())
+    before = _trainable(trainer.model)
+    trainer.train()
+    tokens = sum(len(ids) for ids in data["input_ids"])  # all 8 examples fit one batch of packed rows
+    assert [log["num_tokens"] for log in trainer.state.log_history if "loss" in log] == [tokens, 2 * tokens]
+    after = _trainable(trainer.model)
+    assert any(not torch.equal(after[n], before[n]) for n in after)
 
 
 def test_model_given_by_name_is_loaded_before_the_zo_checks(tmp_path):
