@@ -37,6 +37,7 @@ def check_sft_options(args: SFTConfig) -> None:
         "activation_offloading": "it offloads the activations kept for the backward pass (and ZO's training step "
         "does not enter SFTTrainer's offloading context)",
         "gradient_checkpointing": "it recomputes activations for the backward pass; ZO keeps none to save",
+        "activation_checkpointing": "it recomputes activations for the backward pass; ZO keeps none to save",
         "use_liger_kernel": "Liger's kernels are written for first-order training; TRL deprecates the option for "
         "Hub kernels (model_init_kwargs={'use_kernels': True})",
     }
@@ -53,17 +54,17 @@ class ZOSFTConfig(ZOConfig, SFTConfig):
     """Configuration class for [`ZOSFTTrainer`]: every argument of `ZOConfig` (the `zo_*` options and ZO's defaults,
     e.g. a learning rate chosen by what the model trains) and of TRL's `SFTConfig` (the data and the model loading).
 
-    Where both set a default, `ZOConfig`'s holds. `gradient_checkpointing` defaults to `False` (TRL's: `True`);
-    `gradient_checkpointing`, `activation_offloading` and `use_liger_kernel` set to `True` are refused
-    (:func:`check_sft_options`).
+    Where both set a default, `ZOConfig`'s holds. Gradient checkpointing is off by default (TRL turns it on);
+    `gradient_checkpointing` / `activation_checkpointing`, `activation_offloading` and `use_liger_kernel` set to
+    `True` are refused (:func:`check_sft_options`).
 
     Parameters that change from `SFTConfig`:
-        gradient_checkpointing (`bool`, *optional*, defaults to `False`):
-            Must stay `False`: ZO runs no backward pass.
+        gradient_checkpointing (`bool`, *optional*, defaults to `None`, i.e. off):
+            transformers' deprecated alias of `activation_checkpointing`; must stay off: ZO runs no backward pass.
     """
 
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Must stay False: ZO runs no backward pass, so nothing is recomputed."}
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Must stay off: ZO runs no backward pass, so nothing is recomputed."}
     )
 
     def __post_init__(self):

@@ -239,7 +239,9 @@ def test_model_given_by_name_is_loaded_before_the_zo_checks(tmp_path):
     assert (trainer.args.learning_rate, trainer.args.zo_eps) == (full.learning_rate, full.zo_eps)
 
 
-@pytest.mark.parametrize("option", ["activation_offloading", "gradient_checkpointing", "use_liger_kernel"])
+@pytest.mark.parametrize(
+    "option", ["activation_offloading", "gradient_checkpointing", "activation_checkpointing", "use_liger_kernel"]
+)
 def test_options_needing_a_backward_pass_fail_at_construction(tmp_path, option):
     with pytest.raises(ValueError, match=f"{option}=True"):
         sft_args(tmp_path, **{option: True})
@@ -276,3 +278,22 @@ def test_import_works_without_trl_and_zosfttrainer_names_the_install():
     assert 'ERROR ZOSFTTrainer and ZOSFTConfig need TRL, which is not installed: pip install "hf_zo[trl]"' in (
         result.stdout
     )
+
+
+def test_example_script_trains_lora_on_local_chat_file(tmp_path):
+    """examples/sft.py: TRL's flags (`--use_peft`) over a local JSONL chat file; the adapter lands in output_dir."""
+    import json
+    from pathlib import Path
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "model")
+    tokenizer().save_pretrained(tmp_path / "model")
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": messages}) + "\n" for messages in CONVERSATIONS["messages"])
+    script = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
+    command = [sys.executable, str(script), "--model_name_or_path", str(tmp_path / "model")]
+    command += ["--train_file", str(tmp_path / "chat.jsonl"), "--output_dir", str(tmp_path / "out")]
+    command += ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--assistant_only_loss", "true"]
+    command += ["--max_steps", "2", "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert len(ZOTrajectory.load(tmp_path / "out")) == 2

@@ -1,0 +1,71 @@
+# Copyright 2026 The hf_zo authors. Licensed under the Apache License, Version 2.0.
+"""Zeroth-order supervised fine-tuning with `ZOSFTTrainer`, in the shape of TRL's `trl/scripts/sft.py`: the same
+`TrlParser` flags (`ScriptArguments`, `ModelConfig` with `--use_peft`, every `ZOSFTConfig` option), with ZO's
+optimizer. Data come from a Hub dataset (`--dataset_name`) or from local JSON/JSONL files (`--train_file`,
+`--validation_file`) in any of TRL's formats (`messages`, `prompt`/`completion`, `text`)::
+
+    python examples/sft.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --train_file chat.jsonl \
+        --use_peft --lora_target_modules q_proj v_proj --assistant_only_loss true --max_steps 1000 \
+        --output_dir smollm2-chat-zo
+
+Leave `--learning_rate` and `--zo_eps` unset for ZO's defaults by method (docs/hyperparameters.md). The trained
+adapter (with `--use_peft`) or model is saved in `--output_dir`. See docs/trl.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from datasets import load_dataset
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+from hf_zo import ZOSFTConfig, ZOSFTTrainer
+
+
+@dataclass
+class DataFileArguments:
+    """Local data files, as in examples/train.py (instead of `--dataset_name`)."""
+
+    train_file: str | None = field(default=None, metadata={"help": "A JSON/JSONL file of training examples."})
+    validation_file: str | None = field(default=None, metadata={"help": "A JSON/JSONL file of evaluation examples."})
+
+
+def load_data(script_args: ScriptArguments, file_args: DataFileArguments):
+    """The train and evaluation splits: from local files when given, else from the Hub dataset."""
+    if file_args.train_file is not None:
+        files = {"train": file_args.train_file}
+        if file_args.validation_file is not None:
+            files["validation"] = file_args.validation_file
+        dataset = load_dataset("json", data_files=files)
+        return dataset["train"], dataset.get("validation")
+    if script_args.dataset_name is None:
+        raise ValueError("Give --train_file (local JSON/JSONL) or --dataset_name (a Hub dataset).")
+    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    return dataset[script_args.dataset_train_split], dataset.get(script_args.dataset_test_split)
+
+
+def main(script_args, training_args, model_args, file_args):
+    training_args.model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    )
+    train_dataset, eval_dataset = load_data(script_args, file_args)
+    trainer = ZOSFTTrainer(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, ZOSFTConfig, ModelConfig, DataFileArguments))
+    main(*parser.parse_args_and_config())
