@@ -68,6 +68,17 @@ def test_unset_learning_rate_and_eps_come_from_the_trained_method(tmp_path, buil
     assert args.learning_rate is None and args.zo_eps is None  # the caller's config can serve another model
 
 
+def test_fzoo_takes_its_own_scale_and_refuses_a_method_it_was_not_measured_on(tmp_path):
+    from hf_zo.training import OPTIMIZER_METHOD_DEFAULTS
+
+    args = _config(tmp_path, zo_optimizer="fzoo", zo_num_perturbations=2)
+    trainer = ZOTrainer(model=_lora(), args=args, train_dataset=lm_dataset(4))
+    expected = OPTIMIZER_METHOD_DEFAULTS["fzoo"]["lora"]
+    assert (trainer.args.learning_rate, trainer.args.zo_eps) == (expected.learning_rate, expected.zo_eps)
+    with pytest.raises(ValueError, match="zo_optimizer='fzoo' has no measured default learning_rate"):
+        ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
+
+
 def test_values_the_user_set_are_kept(tmp_path):
     trainer = ZOTrainer(model=_lora(), args=_config(tmp_path, learning_rate=3e-5), train_dataset=lm_dataset(4))
     assert trainer.args.learning_rate == 3e-5

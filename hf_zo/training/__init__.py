@@ -5,13 +5,14 @@ and the mixins of `ZOTrainerMixin` beside the ZO hooks: crash-safe checkpoints (
 examples (`sampling`) and the placement of model and data under the distributed layout (`layout`)."""
 
 from .config import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES, ZOConfig
-from .defaults import METHOD_DEFAULTS, MethodDefaults, fill_method_defaults, trained_method
+from .defaults import METHOD_DEFAULTS, OPTIMIZER_METHOD_DEFAULTS, MethodDefaults, fill_method_defaults, trained_method
 from .sampling import SamplerEpochCallback, ZOLengthGroupedSampler
 
 __all__ = [
     "HEAD_INIT_CHOICES",
     "HEAD_TRAINING_CHOICES",
     "METHOD_DEFAULTS",
+    "OPTIMIZER_METHOD_DEFAULTS",
     "MethodDefaults",
     "SamplerEpochCallback",
     "ZOConfig",

@@ -13,7 +13,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["METHOD_DEFAULTS", "MethodDefaults", "fill_method_defaults", "trained_method"]
+__all__ = ["METHOD_DEFAULTS", "OPTIMIZER_METHOD_DEFAULTS", "MethodDefaults", "fill_method_defaults", "trained_method"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,14 @@ METHOD_DEFAULTS: dict[str, MethodDefaults] = {
     "prefix": MethodDefaults(1e-3, 1e-1, "MeZO's grid for prefix tuning"),
 }
 """Defaults by method (docs/hyperparameters.md has the measurements)."""
+
+OPTIMIZER_METHOD_DEFAULTS: dict[str, dict[str, MethodDefaults]] = {
+    "fzoo": {
+        "lora": MethodDefaults(3e-5, 1e-2, "measured on SmolLM2-135M-Instruct, SST-2 prompts (docs/accuracy.md)")
+    },
+}
+"""Defaults by method of the optimizers whose learning rate has another scale than MeZO's: FZOO normalises its
+step by the spread of the perturbed losses, so its step is about ``lr / eps * sqrt(trainable / N)`` long."""
 
 # PEFT's method names (`PeftType` values) that train like the methods above.
 _PEFT_METHODS = {
@@ -77,6 +85,16 @@ def fill_method_defaults(args, model: nn.Module) -> None:
         return
     method = trained_method(model)
     defaults = METHOD_DEFAULTS[method]
+    optimizer = getattr(args, "zo_optimizer", None)
+    if optimizer in OPTIMIZER_METHOD_DEFAULTS:
+        measured = OPTIMIZER_METHOD_DEFAULTS[optimizer]
+        if method not in measured:
+            raise ValueError(
+                f"zo_optimizer={optimizer!r} has no measured default learning_rate or zo_eps for method {method!r} "
+                f"(only for {sorted(measured)}); set both (its step is about lr / eps * sqrt(trainable / N) long: "
+                "docs/prompts.md)."
+            )
+        defaults = measured[method]
     for name in unset:
         setattr(args, name, getattr(defaults, name))
     chosen = ", ".join(f"{name}={getattr(defaults, name):g}" for name in unset)
