@@ -10,12 +10,12 @@ mean-pooled embedding; the head is linear-probed, then trained first-order)::
         --peft lora --learning_rate 1e-4 --zo_eps 1e-2 --max_steps 1000 --output_dir minilm-sst2-zo
 
 Prompt-based classification the MeZO way on the embedded LLM (SmolLM2-135M-Instruct, offline: `hf-zo embedded-llm`
-prints its folder; FZOO on LoRA, docs/prompts.md)::
+prints its folder; MeZO on LoRA at the learning rate measured best, docs/prompts.md)::
 
     python examples/train.py --model_name_or_path "$(hf-zo embedded-llm)" --task_name sst2 \
         --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
-        --peft lora --zo_optimizer fzoo --zo_num_perturbations 4 --zo_noise rademacher \
-        --lr_scheduler_type constant --max_steps 100 --output_dir smollm2-sst2-zo
+        --peft lora --learning_rate 2e-3 --zo_eps 1e-2 --lr_scheduler_type constant --max_steps 200 \
+        --output_dir smollm2-sst2-zo
 
 Prompt-based classification the MeZO way (OPT scores " terrible" / " great" after "<sentence> It was")::
 

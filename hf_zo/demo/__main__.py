@@ -22,8 +22,8 @@ class DemoArguments:
     model: str = field(
         default="llm", metadata={"help": "The embedded model to fine-tune.", "choices": list(DEMO_MODELS)}
     )
-    max_steps: int | None = field(default=None, metadata={"help": "ZO optimizer steps (llm: 20, minilm: 600)."})
-    learning_rate: float | None = field(default=None, metadata={"help": "ZO learning rate (llm: 1e-5, minilm: 1e-3)."})
+    max_steps: int | None = field(default=None, metadata={"help": "ZO optimizer steps (llm: 50, minilm: 600)."})
+    learning_rate: float | None = field(default=None, metadata={"help": "ZO learning rate (llm: 2e-3, minilm: 1e-3)."})
     zo_eps: float = field(default=1e-2, metadata={"help": "Perturbation scale."})
     batch_size: int = field(default=16, metadata={"help": "Training batch size."})
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank on the attention query/value projections."})
@@ -36,9 +36,9 @@ class DemoArguments:
             if value is not None and value < 1:
                 raise ValueError(f"--{name} must be at least 1, got {value}; leave it out for its default.")
         if self.max_steps is None:
-            self.max_steps = 20 if self.model == "llm" else 600
+            self.max_steps = 50 if self.model == "llm" else 600
         if self.learning_rate is None:
-            self.learning_rate = 1e-5 if self.model == "llm" else 1e-3
+            self.learning_rate = 2e-3 if self.model == "llm" else 1e-3
 
 
 def main(argv: list[str] | None = None) -> dict:

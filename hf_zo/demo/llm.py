@@ -1,9 +1,9 @@
 """The LLM demo: the embedded SmolLM2-135M-Instruct learns a prompt task by zeroth-order training alone.
 
 The model scores " terrible" / " great" after "<sentence> It was" (MeZO's SST-2 prompt,
-`hf_zo.prompts.PromptClassification`); LoRA (r=8 on q_proj, v_proj) is trained with FZOO (`zo_optimizer="fzoo"`:
-four one-sided Rademacher estimates around the centre loss, step normalised by their spread) on the 320 training
-sentences of `hf_zo/demo/data`. No head, no probe: every point of accuracy gained is ZO's. It prints the held-out
+`hf_zo.prompts.PromptClassification`); LoRA (r=8 on q_proj, v_proj) is trained with MeZO's ZO-SGD (the estimator
+that climbed fastest per second on SST-2 with this model, docs/accuracy.md) on the 320 training sentences of
+`hf_zo/demo/data`. No head, no probe: every point of accuracy gained is ZO's. It prints the held-out
 accuracy before and after, one generation before and after, and the peak resident memory of ZO training against an
 inference pass and against one first-order (AdamW) step on the same batch.
 """
@@ -87,9 +87,6 @@ def run(demo) -> dict:
         learning_rate=demo.learning_rate,
         lr_scheduler_type="constant",
         zo_eps=demo.zo_eps,
-        zo_optimizer="fzoo",
-        zo_num_perturbations=4,
-        zo_noise="rademacher",
         logging_steps=max(1, demo.max_steps // 10),
         save_strategy="no",
         report_to=[],
@@ -119,7 +116,7 @@ def run(demo) -> dict:
     trainer.save_model()
 
     return {
-        "model": f"{EMBEDDED_LLM_ID} + LoRA, FZOO (hf_zo ZOTrainer)",
+        "model": f"{EMBEDDED_LLM_ID} + LoRA, MeZO (hf_zo ZOTrainer)",
         "prompt": f"{TEMPLATE!r} -> {' / '.join(repr(w) for w in LABEL_WORDS)}",
         "train_examples": len(data["train"]),
         "test_examples": len(data["test"]),
