@@ -238,11 +238,17 @@ def table(results: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
+        if r["training_peak_mib"] is None:  # a run stopped before its memory was read
+            memory = "not measured"
+        else:
+            memory = (
+                f"{r['training_peak_mib']:.0f} / {r['inference_peak_mib']:.0f} MiB "
+                f"({r['training_over_inference_memory']:.2f}x)"
+            )
         rows.append(
             f"| {r['variant']} | {r['template']} | {r['steps']} | {r['seconds_per_step']:.2f} | "
             f"{100 * r['start_accuracy']:.1f}% | {100 * r['final_accuracy']:.1f}% | {100 * r['best_accuracy']:.1f}% | "
-            f"{r['training_peak_mib']:.0f} / {r['inference_peak_mib']:.0f} MiB "
-            f"({r['training_over_inference_memory']:.2f}x) |"
+            f"{memory} |"
         )
     return "\n".join(rows)
 
