@@ -33,16 +33,23 @@ def examples():
     return Dataset.from_dict({"sentence": sentences, "label": [1, 0, 0, 0, 1]})
 
 
-@pytest.mark.parametrize("family", ["opt", "llama", "gpt2", "qwen2"])
-def test_left_padded_batch_scores_each_prompt_as_alone(family):
-    """The collator's left padding and positions leave every prompt's next-token distribution as unpadded."""
+def _forward(family: str, **options):
+    """A tiny LM of `family`, a task, its rows, and the model's output on all rows as one collated batch."""
     model = tiny_causal_lm(family).eval()
-    task = PromptClassification(tokenizer(), TEMPLATE, [" bad", " good"])
+    task = PromptClassification(tokenizer(), TEMPLATE, [" bad", " good"], **options)
     rows = task.tokenize(examples())
     batch = task([rows[i] for i in range(len(rows))])
     labels = batch.pop("labels")
     with torch.no_grad():
         output = model(**batch)
+    return model, task, rows, output, labels
+
+
+@pytest.mark.parametrize("family", ["opt", "llama", "gpt2", "qwen2"])
+def test_left_padded_batch_scores_each_prompt_as_alone(family):
+    """The collator's left padding and positions leave every prompt's next-token distribution as unpadded."""
+    model, task, rows, output, labels = _forward(family)
+    with torch.no_grad():
         assert output.logits.shape[1] == 1  # logits_to_keep=1: the LM head ran on one position
         scores = task.scores(output.logits)
         for i, row in enumerate(rows):
@@ -54,13 +61,8 @@ def test_left_padded_batch_scores_each_prompt_as_alone(family):
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_classification_loss_is_the_two_way_cross_entropy_over_the_label_words(family):
-    model = tiny_causal_lm(family).eval()
-    task = PromptClassification(tokenizer(), TEMPLATE, [" bad", " good"])
-    rows = task.tokenize(examples())
-    batch = task([rows[i] for i in range(len(rows))])
-    labels = batch.pop("labels")
+    model, task, rows, output, labels = _forward(family)
     with torch.no_grad():
-        output = model(**batch)
         loss = task.compute_loss(output, labels)
         by_hand = []
         for row in rows:
@@ -71,15 +73,9 @@ def test_classification_loss_is_the_two_way_cross_entropy_over_the_label_words(f
 
 
 def test_lm_loss_is_the_full_vocabulary_cross_entropy_of_the_correct_word():
-    model = tiny_causal_lm("llama").eval()
-    task = PromptClassification(tokenizer(), TEMPLATE, [" bad", " good"], loss="lm")
-    rows = task.tokenize(examples())
-    batch = task([rows[i] for i in range(len(rows))])
-    labels = batch.pop("labels")
-    with torch.no_grad():
-        output = model(**batch)
-        expected = F.cross_entropy(output.logits[:, -1], task.label_word_ids[labels])
-        torch.testing.assert_close(task.compute_loss(output, labels), expected)
+    _, task, _, output, labels = _forward("llama", loss="lm")
+    expected = F.cross_entropy(output.logits[:, -1], task.label_word_ids[labels])
+    torch.testing.assert_close(task.compute_loss(output, labels), expected)
 
 
 def test_multi_token_label_word_is_refused_naming_its_tokens():
