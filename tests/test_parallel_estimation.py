@@ -53,11 +53,20 @@ def test_bf16_weights_do_not_drift_at_lr_0():
 @pytest.mark.parametrize("dtype, exact_restore", [(torch.bfloat16, None), (torch.float32, False)])
 def test_same_weights_as_a_single_process(dtype, exact_restore):
     """With a learning rate, the 1 x 1 layout's weights equal the single process's bit for bit after three steps."""
+
+    def build(parallel: bool):
+        model = tiny_causal_lm().to(dtype).eval()
+        return model, _optimizer(model, parallel, lr=1e-2, exact_restore=exact_restore)
+
+    _assert_layout_trains_as_one_process(build)
+
+
+def _assert_layout_trains_as_one_process(build) -> None:
+    """Three steps with `build(parallel)`'s model and optimizer, with and without the 1 x 1 layout: same bits."""
     batch = _batch()
 
     def trained(parallel: bool) -> list[torch.Tensor]:
-        model = tiny_causal_lm().to(dtype).eval()
-        optimizer = _optimizer(model, parallel, lr=1e-2, exact_restore=exact_restore)
+        model, optimizer = build(parallel)
         for _ in range(3):
             optimizer.step(lambda: model(**batch).loss)
         optimizer.flush()
@@ -92,19 +101,13 @@ def test_a_failing_forward_leaves_the_weights_where_they_were(dtype, failing_for
 def test_fzoo_through_the_layout_equals_a_single_process():
     """FZOO's one-sided estimates go through the same slot as the two-point ones: on a 1 x 1 mesh the layout's
     sweeps (the centre forward, one sweep per estimate) and records are those of one process, bit for bit."""
-    batch = _batch()
 
-    def trained(parallel: bool) -> list[torch.Tensor]:
+    def build(parallel: bool):
         model = tiny_causal_lm().eval()
         layout = ParallelEstimation(ZOMesh(), ScalarCollectives()) if parallel else None
-        optimizer = FZOO(model.parameters(), lr=1e-5, eps=1e-2, seed=3, execution=ZOExecution(parallel=layout))
-        for _ in range(3):
-            optimizer.step(lambda: model(**batch).loss)
-        optimizer.flush()
-        return [p.detach() for p in model.parameters()]
+        return model, FZOO(model.parameters(), lr=1e-5, eps=1e-2, seed=3, execution=ZOExecution(parallel=layout))
 
-    for single, layout in zip(trained(parallel=False), trained(parallel=True), strict=True):
-        assert torch.equal(single, layout)
+    _assert_layout_trains_as_one_process(build)
 
 
 def test_fzoo_refuses_perturbation_parallelism_and_the_dual_engine_but_not_data_parallelism():
