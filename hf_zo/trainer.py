@@ -8,7 +8,8 @@ evaluation, callbacks, checkpoints, model cards, `push_to_hub`) is `Trainer`'s o
 The ZO wiring is one mixin, :class:`ZOTrainerMixin`, so that it composes with any `Trainer` subclass:
 `ZOTrainer` is `ZOTrainerMixin` over `transformers.Trainer`. Beside the hooks here, it brings crash-safe
 checkpoints (`hf_zo.training.checkpointing`), the order of the examples (`hf_zo.training.sampling`) and the
-placement of model and data under the distributed layout (`hf_zo.training.layout`).
+placement of model and data under the distributed layout (`hf_zo.training.layout`); the optimizer is built from
+the `ZOConfig` by `hf_zo.training.optimizer.build_zo_optimizer`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from .engine import DualEngine
 from .heads import ZOHeads, first_order_parameter_names, prepare_zo_heads
-from .noise import Noise
-from .optim import ZO_OPTIMIZERS, ZOExecution, ZOOptimizer
+from .optim import ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
 from .training.arguments import prepare_zo_args
 from .training.checkpointing import ZOCheckpointingMixin
@@ -33,10 +33,13 @@ from .training.checks import (
     check_trainable,
 )
 from .training.layout import ZOLayoutMixin
+from .training.optimizer import build_zo_optimizer
 from .training.param_groups import zo_param_groups
 from .training.pending_updates import ZOFlushCallback, unwrap_zo_optimizer
 from .training.sampling import ZOSamplingMixin
 from .trajectory import ZOTrajectory, ZOTrajectoryCallback
+
+__all__ = ["ZOTrainer", "ZOTrainerMixin", "build_zo_optimizer"]
 
 
 class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
@@ -82,6 +85,8 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
                 f"ZOTrainer needs a ZOOptimizer, got {type(self.optimizer).__name__}; pass one of hf_zo.optim's "
                 "optimizers in `optimizers=(...)` or leave it unset and choose `zo_optimizer` in ZOConfig."
             )
+        if self.model is not None and self._zo_training_in_view:  # with model_init: in create_optimizer
+            fill_method_defaults(self.args, self.model, self.compute_loss_func)
         self._check_zo_train_dataset()
         self.add_callback(ZOFlushCallback)
         self.zo_sampler_epoch = SamplerEpochCallback()
@@ -104,8 +109,8 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
 
         `Trainer.__init__` calls it with its final model, before placing it on the device: a subclass such as TRL's
         `SFTTrainer` has by then loaded a model given by name and applied its `peft_config`. So the trainable
-        parameters are checked, the unset learning rate and `zo_eps` are those of what it trains, and replicas are
-        synchronised and blocks offloaded on the model that trains.
+        parameters are checked, and replicas are synchronised and blocks offloaded on the model that trains (the unset
+        learning rate and `zo_eps`, which depend on the loss too, are filled in at the end of `__init__`).
         """
         super().create_accelerator_and_postprocess()
         if not self._zo_model_pending:  # called again by a hyper-parameter search, whose models come from model_init
@@ -115,7 +120,6 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
             return
         if self._zo_training_in_view:
             check_trainable(self.model)
-            fill_method_defaults(self.args, self.model)
         self._prepare_zo_model(self.model, self.args.device)
 
     def _check_zo_train_dataset(self) -> None:
@@ -149,7 +153,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         excluded = first_order_parameter_names(model, self.args)
         decay_names = self.get_decay_parameter_names(model)
         param_groups = zo_param_groups(model, decay_names, excluded, self.args.weight_decay)
-        fill_method_defaults(self.args, model)  # a model from `model_init`
+        fill_method_defaults(self.args, model, self.compute_loss_func)  # a model from `model_init`
         # Offloaded blocks rest on the CPU but are perturbed where they compute: the noise follows that device.
         working = self.zo_offloader.device.type if self.zo_offloader is not None else None
         self.optimizer = build_zo_optimizer(self.args, param_groups, working, self._zo_execution())
@@ -289,29 +293,3 @@ class ZOTrainer(ZOTrainerMixin, Trainer):
         data_collator, train_dataset, eval_dataset, processing_class: as for `transformers.Trainer`.
         **kwargs: any other `transformers.Trainer` argument (`compute_metrics`, `callbacks`, `optimizers`, ...).
     """
-
-
-def build_zo_optimizer(
-    args: ZOConfig, param_groups: list[dict], device_type: str | None = None, execution: ZOExecution | None = None
-) -> ZOOptimizer:
-    """Instantiate the optimizer registered as `args.zo_optimizer` with the hyper-parameters of `args`: those of every
-    `ZOOptimizer`, and the class's own (`config_kwargs`), running with `execution` (engine and parallel layout).
-
-    `device_type` is where the parameters are perturbed, which `zo_noise_algorithm="auto"` follows (default: where
-    the first parameter lives; offloaded blocks rest elsewhere).
-    """
-    cls = ZO_OPTIMIZERS[args.zo_optimizer]
-    device_type = device_type or param_groups[0]["params"][0].device.type
-    kwargs = dict(
-        lr=args.learning_rate,
-        eps=args.zo_eps,
-        weight_decay=args.weight_decay,
-        noise=Noise(args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=device_type),
-        num_perturbations=args.zo_num_perturbations,
-        seed=args.zo_seed,
-        max_consecutive_skips=args.zo_max_consecutive_skips,
-        cache_noise=args.zo_noise_cache,
-        exact_restore=args.zo_exact_restore,
-        execution=execution,
-    )
-    return cls(param_groups, **kwargs, **cls.config_kwargs(args))

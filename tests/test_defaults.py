@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
 from peft import IA3Config, LNTuningConfig, LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
 
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.models import norm_module_names
-from hf_zo.training import METHOD_DEFAULTS, trained_method
+from hf_zo.prompts import PromptClassification
+from hf_zo.training import LABEL_WORD_METHOD_DEFAULTS, METHOD_DEFAULTS, trained_method
 
 from tiny_models import lm_dataset, tiny_causal_lm
 
@@ -68,6 +70,23 @@ def test_unset_learning_rate_and_eps_come_from_the_trained_method(tmp_path, buil
     assert args.learning_rate is None and args.zo_eps is None  # the caller's config can serve another model
 
 
+@pytest.mark.parametrize("loss, expected", [("classification", (2e-3, 1e-2)), ("lm", (1e-4, 1e-2))])
+def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, expected):
+    """Prompt classification's label-word cross-entropy: 2e-3 (measured on the embedded LLM); its full-vocabulary
+    variant keeps MeZO's LoRA grid, as every other loss does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1, "good": 2, "bad": 3, "it": 4}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>")
+    task = PromptClassification(tokenizer, "{sentence} it", [" bad", " good"], loss=loss)
+    data = task.tokenize(Dataset.from_dict({"sentence": ["good", "bad"], "label": [1, 0]}))
+    trainer = ZOTrainer(model=_lora(), args=_config(tmp_path), train_dataset=data, **task.trainer_kwargs())
+    assert (trainer.args.learning_rate, trainer.args.zo_eps) == expected
+    assert LABEL_WORD_METHOD_DEFAULTS["lora"].learning_rate == 2e-3
+
+
 def test_fzoo_takes_its_own_scale_and_refuses_a_method_it_was_not_measured_on(tmp_path):
     from hf_zo.training import OPTIMIZER_METHOD_DEFAULTS
 
@@ -82,16 +101,18 @@ def test_fzoo_takes_its_own_scale_and_refuses_a_method_it_was_not_measured_on(tm
 def test_values_the_user_set_are_kept(tmp_path):
     trainer = ZOTrainer(model=_lora(), args=_config(tmp_path, learning_rate=3e-5), train_dataset=lm_dataset(4))
     assert trainer.args.learning_rate == 3e-5
-    assert trainer.args.zo_eps == METHOD_DEFAULTS["lora"].zo_eps  # the unset one still follows the method
+    lora = METHOD_DEFAULTS["lora"]
+    assert trainer.args.zo_eps == lora.zo_eps  # the unset one still follows the method
     trainer = ZOTrainer(model=_lora(), args=_config(tmp_path, zo_eps=1e-3), train_dataset=lm_dataset(4))
-    assert (trainer.args.learning_rate, trainer.args.zo_eps) == (METHOD_DEFAULTS["lora"].learning_rate, 1e-3)
+    assert (trainer.args.learning_rate, trainer.args.zo_eps) == (lora.learning_rate, 1e-3)
 
 
 def test_a_model_from_model_init_gets_its_defaults_when_training_starts(tmp_path):
     trainer = ZOTrainer(model_init=_lora, args=_config(tmp_path), train_dataset=lm_dataset(4))
     trainer.train()
-    assert trainer.args.learning_rate == METHOD_DEFAULTS["lora"].learning_rate
-    assert trainer.zo_optimizer.param_groups[0]["lr"] == METHOD_DEFAULTS["lora"].learning_rate
+    lora = METHOD_DEFAULTS["lora"]
+    assert trainer.args.learning_rate == lora.learning_rate
+    assert trainer.zo_optimizer.param_groups[0]["lr"] == lora.learning_rate
 
 
 def test_a_peft_method_without_defaults_asks_for_both_values(tmp_path):

@@ -5,12 +5,20 @@ and the mixins of `ZOTrainerMixin` beside the ZO hooks: crash-safe checkpoints (
 examples (`sampling`) and the placement of model and data under the distributed layout (`layout`)."""
 
 from .config import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES, ZOConfig
-from .defaults import METHOD_DEFAULTS, OPTIMIZER_METHOD_DEFAULTS, MethodDefaults, fill_method_defaults, trained_method
+from .defaults import (
+    LABEL_WORD_METHOD_DEFAULTS,
+    METHOD_DEFAULTS,
+    OPTIMIZER_METHOD_DEFAULTS,
+    MethodDefaults,
+    fill_method_defaults,
+    trained_method,
+)
 from .sampling import SamplerEpochCallback, ZOLengthGroupedSampler
 
 __all__ = [
     "HEAD_INIT_CHOICES",
     "HEAD_TRAINING_CHOICES",
+    "LABEL_WORD_METHOD_DEFAULTS",
     "METHOD_DEFAULTS",
     "OPTIMIZER_METHOD_DEFAULTS",
     "MethodDefaults",

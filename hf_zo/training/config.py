@@ -13,6 +13,9 @@ from ..engine import ZO_ENGINES
 from ..noise import NOISE_ALGORITHMS, NOISE_DISTRIBUTIONS
 from ..offload import OFFLOAD_DTYPES, OFFLOAD_TIERS
 from ..optim import ZO_OPTIMIZERS
+from ..optim.base import check_eps
+from ..parallel.estimation import check_perturbation_parallel_size
+from ..parallel.plugin import check_sliced_upload
 
 logger = logging.get_logger(__name__)
 
@@ -178,8 +181,9 @@ class ZOConfig(TrainingArguments):
 
         learning_rate (`float`, *optional*):
             Default: by what the model trains (`hf_zo.training.defaults`), since ZO learning rates differ by orders of
-            magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA and 1e-3 for prefix
-            and prompt tuning, and 3e-4 for the norm layers (PEFT's LN tuning, measured on all-MiniLM-L6-v2).
+            magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA (2e-3 for LoRA on a
+            causal LM), 1e-3 for prefix and prompt tuning, and 3e-4 for the norm layers (PEFT's LN tuning, measured
+            on all-MiniLM-L6-v2).
             `ZOTrainer` fills it in (and `zo_eps`) when it gets the model; another PEFT method needs both set.
         max_grad_norm (`float`, defaults to `0.0`):
             ZO has no gradients to clip; any value is a no-op.
@@ -268,7 +272,10 @@ class ZOConfig(TrainingArguments):
         default=False, metadata={"help": "PertP ranks each upload 1/p of a block and all-gather it (DistZO2)."}
     )
     learning_rate: float | None = field(
-        default=None, metadata={"help": "ZO learning rate (default: by method: 1e-6 full, 1e-4 LoRA, 3e-4 LN tuning)."}
+        default=None,
+        metadata={
+            "help": "ZO learning rate (default: by method: 1e-6 full, 1e-4 LoRA (2e-3 on a causal LM), 3e-4 LN)."
+        },
     )
     max_grad_norm: float = field(default=0.0, metadata={"help": "ZO has no gradients to clip."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "The scheduler type to use."})
@@ -315,11 +322,7 @@ class ZOConfig(TrainingArguments):
         if self.zo_engine not in ZO_ENGINES:
             raise ValueError(f"Unknown zo_engine {self.zo_engine!r}; choose one of {list(ZO_ENGINES)}.")
         if self.zo_offload is None:
-            if self.zo_offload_sliced_upload:
-                raise ValueError(
-                    "zo_offload_sliced_upload=True shares the upload of offloaded blocks but zo_offload is None; set "
-                    "zo_offload='cpu' or 'disk' (with zo_engine='dual'), or drop zo_offload_sliced_upload."
-                )
+            check_sliced_upload(self.zo_offload_sliced_upload, offload=None)
             if self.zo_offload_dir is not None:
                 raise ValueError(
                     f"zo_offload_dir={self.zo_offload_dir!r} is set but zo_offload is None; set "
@@ -377,11 +380,8 @@ class ZOConfig(TrainingArguments):
                 f"output_dir {self.output_dir!r} is a file; checkpoints and the model are saved into a folder: give a "
                 "new or existing folder."
             )
-        if self.zo_eps is not None and not (isinstance(self.zo_eps, (int, float)) and self.zo_eps > 0):
-            raise ValueError(
-                f"zo_eps must be > 0, got {self.zo_eps!r}; MeZO uses 1e-3 (full) to 1e-1 (prefix), and left unset it "
-                "follows the model's method."
-            )
+        if self.zo_eps is not None:
+            check_eps(self.zo_eps, "zo_eps")
         if self.learning_rate is not None and not (
             isinstance(self.learning_rate, (int, float)) and self.learning_rate >= 0
         ):
@@ -434,12 +434,7 @@ class ZOConfig(TrainingArguments):
             raise ValueError(
                 f"zo_perturbation_parallel_size must be an integer >= 1, got {self.zo_perturbation_parallel_size!r}."
             )
-        if (2 * self.zo_num_perturbations) % self.zo_perturbation_parallel_size:
-            raise ValueError(
-                f"zo_perturbation_parallel_size ({self.zo_perturbation_parallel_size}) must divide the "
-                f"2 * zo_num_perturbations = {2 * self.zo_num_perturbations} signed forwards of a micro-batch; raise "
-                "zo_num_perturbations or use a divisor."
-            )
+        check_perturbation_parallel_size(self.zo_perturbation_parallel_size, self.zo_num_perturbations)
         if not isinstance(self.zo_max_consecutive_skips, int) or self.zo_max_consecutive_skips < 1:
             raise ValueError(
                 f"zo_max_consecutive_skips must be an integer >= 1, got {self.zo_max_consecutive_skips!r}."
