@@ -43,6 +43,8 @@ FZOO = dict(zo_optimizer="fzoo", zo_num_perturbations=2, learning_rate=1e-5)  # 
 FIRST_ORDER_HEAD = dict(
     zo_head_init="none", zo_head_training="first_order", dataset=classification_dataset(64), steps=3
 )
+# The classifier trained by ZO alone, head included: BERT's run beside the causal LM families'.
+ZO_HEAD = dict(zo_head_init="none", zo_head_training="zeroth_order", dataset=classification_dataset(32), steps=2)
 # Examples of 3 to 16 tokens, batched by length (ZOConfig's default): 6 optimizer steps an epoch at a global batch
 # of 4, so step 9 is in the second epoch and checkpoint-7 resumes there.
 RAGGED = dict(dataset=ragged_lm_dataset(24, seed=3), data_collator=pad_lm_batch, steps=9)
@@ -220,6 +222,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["full"] = train(out, "full", tiny_causal_lm("opt"))
         runs["verified"] = train(out, "verified", tiny_causal_lm("opt"), zo_verify_replicas_steps=1)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        for family in ("qwen2", "gpt2"):
+            runs[family] = train(out, family, tiny_causal_lm(family))
+        runs["bert_zo"] = train(out, "bert_zo", tiny_bert_classifier(), **ZO_HEAD)
         runs["lozo"] = train(out, "lozo", tiny_causal_lm("opt"), **LOZO)
         runs["hizoo"] = train(out, "hizoo", tiny_causal_lm("opt"), **HIZOO)
         runs["fzoo"] = train(out, "fzoo", tiny_causal_lm("opt"), **FZOO)
@@ -248,6 +253,9 @@ def run_scenario(scenario: str, out: Path) -> dict:
         runs["hizoo_accumulate2"] = train(out, "hizoo_acc", tiny_causal_lm("opt"), accumulation=2, **HIZOO)
         runs["fzoo_accumulate2"] = train(out, "fzoo_acc", tiny_causal_lm("opt"), accumulation=2, **FZOO)
         runs["lora"] = train(out, "lora", lora(tiny_causal_lm("llama")))
+        for family in ("qwen2", "gpt2"):
+            runs[f"{family}_accumulate2"] = train(out, f"{family}_acc", tiny_causal_lm(family), accumulation=2)
+        runs["bert_zo_accumulate2"] = train(out, "bert_zo_acc", tiny_bert_classifier(), accumulation=2, **ZO_HEAD)
         runs["ragged_accumulate2"] = train(out, "ragged_acc", tiny_causal_lm("opt"), accumulation=2, **RAGGED)
         runs["stopped_accumulate4"] = train(
             out, "stopped_acc", tiny_causal_lm("opt"), accumulation=4, callbacks=[StopInSecondStep(2)]

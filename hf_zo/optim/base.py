@@ -50,6 +50,15 @@ CACHED_STEPS = 4
 """Seeds' worth of noise the cache holds when enabled (a seed is used by up to three consecutive sweeps)."""
 
 
+def check_eps(eps, name: str = "eps") -> None:
+    """Raise unless `eps`, the scale of the perturbations (`name`: how the caller calls it), is a number > 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(
+            f"{name} must be > 0, got {eps!r}; MeZO uses 1e-3 (full fine-tuning) to 1e-1 (prefix tuning), and "
+            "ZOConfig's zo_eps left unset follows the model's method."
+        )
+
+
 class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     """Base class of the zeroth-order optimizers.
 
@@ -147,7 +156,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     @classmethod
     def config_kwargs(cls, args) -> dict:
         """This class's own constructor arguments, read from the `ZOConfig` fields that set them (the arguments of
-        :class:`ZOOptimizer` itself are read by `hf_zo.trainer.build_zo_optimizer`)."""
+        :class:`ZOOptimizer` itself are read by `hf_zo.training.optimizer.build_zo_optimizer`)."""
         return {}
 
     @classmethod
@@ -227,8 +236,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}.")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps}; typical values are 1e-3 (full) to 1e-1 (prefix).")
+        check_eps(eps)
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
         if not isinstance(num_perturbations, int) or num_perturbations < 1:

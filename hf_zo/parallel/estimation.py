@@ -30,6 +30,18 @@ from .mesh import ZOMesh
 _RECORD_FIELDS = 5  # (k, seed, projected_grad bits, loss_plus bits, loss_minus bits), as int64; + curvature bits
 
 
+def check_perturbation_parallel_size(pertp_size: int, num_perturbations: int) -> None:
+    """Raise unless `pertp_size` divides the ``2 * num_perturbations`` signed forwards of a micro-batch, which the
+    ranks of a perturbation-parallel group split between them."""
+    forwards = 2 * num_perturbations
+    if forwards % pertp_size:
+        raise ValueError(
+            f"zo_perturbation_parallel_size ({pertp_size}) must divide the {forwards} signed forwards of a "
+            f"micro-batch (2 * zo_num_perturbations = 2 * {num_perturbations}); use a divisor of {forwards} or raise "
+            "zo_num_perturbations."
+        )
+
+
 class ParallelEstimation:
     """The parallel layout of a `ZOOptimizer` on a (dp, pertp) mesh (given to it in a `hf_zo.optim.ZOExecution`).
 
@@ -50,13 +62,7 @@ class ParallelEstimation:
     def check(self, optimizer: ZOOptimizer) -> None:
         """Raise if `optimizer` cannot run on this mesh (called when the layout is given to it): its declarations
         (:meth:`~hf_zo.optim.ZOOptimizer.check_execution`), and a PertP size that divides a micro-batch's forwards."""
-        forwards = 2 * optimizer.num_perturbations
-        if forwards % self.mesh.pertp_size:
-            raise ValueError(
-                f"zo_perturbation_parallel_size ({self.mesh.pertp_size}) must divide the {forwards} signed forwards "
-                f"of a micro-batch (2 * zo_num_perturbations = 2 * {optimizer.num_perturbations}); use a divisor of "
-                f"{forwards} or raise zo_num_perturbations."
-            )
+        check_perturbation_parallel_size(self.mesh.pertp_size, optimizer.num_perturbations)
         type(optimizer).check_execution(dp_size=self.mesh.dp_size, pertp_size=self.mesh.pertp_size)
 
     # ------------------------------------------------------------------ estimate

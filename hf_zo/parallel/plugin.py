@@ -24,6 +24,22 @@ ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 
 
+def check_sliced_upload(sliced_upload: bool, offload: str | None, pertp_size: int | None = None) -> None:
+    """Raise if sliced upload is on without offloaded blocks to upload or, when `pertp_size` is known, without a
+    perturbation-parallel group to split each upload among."""
+    if sliced_upload and offload is None:
+        raise ValueError(
+            "zo_offload_sliced_upload=True shares the upload of offloaded blocks, but offload is None; set "
+            "zo_offload='cpu' or 'disk' (with zo_engine='dual'), or turn sliced upload off."
+        )
+    if sliced_upload and pertp_size is not None and pertp_size < 2:
+        raise ValueError(
+            "zo_offload_sliced_upload=True splits each block's upload among the ranks of a perturbation-parallel "
+            f"group, but perturbation_parallel_size is {pertp_size}; set zo_perturbation_parallel_size (or "
+            "HF_ZO_PERTURBATION_PARALLEL_SIZE) to 2 or more, or turn sliced upload off."
+        )
+
+
 @dataclass
 class DistZOPlugin:
     """How a zeroth-order run is spread over processes: a ``(dp, pertp)`` mesh that exchanges only scalars.
@@ -101,18 +117,7 @@ class DistZOPlugin:
             raise ValueError(f"timeout_seconds must be > 0, got {self.timeout_seconds!r}.")
         if self.sliced_upload is None:
             self.sliced_upload = _from_env("OFFLOAD_SLICED_UPLOAD", _boolean, False)
-        if self.sliced_upload and self.offload is None:
-            raise ValueError(
-                "sliced_upload (zo_offload_sliced_upload) shares the upload of offloaded blocks, but offload is None; "
-                "set zo_offload='cpu' or 'disk', or turn sliced upload off."
-            )
-        if self.sliced_upload and self.perturbation_parallel_size < 2:
-            raise ValueError(
-                "sliced_upload (zo_offload_sliced_upload) splits each block's upload among the ranks of a "
-                f"perturbation-parallel group, but perturbation_parallel_size is {self.perturbation_parallel_size}; "
-                "set zo_perturbation_parallel_size (or HF_ZO_PERTURBATION_PARALLEL_SIZE) to 2 or more, or turn "
-                "sliced upload off."
-            )
+        check_sliced_upload(self.sliced_upload, self.offload, self.perturbation_parallel_size)
 
     @classmethod
     def from_zo_config(cls, args) -> DistZOPlugin:
