@@ -12,7 +12,10 @@ process, then merge (the figure and the table of docs/accuracy.md)::
         --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
 
 `--heldout N` evaluates on N sentences held out of the training set instead (to choose settings without touching
-the validation set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set.
+the validation set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set;
+`--step_cost` only measures what a ZO step of each variant costs in forwards of the same batch (one batch of
+training prompts, trained on again and again; each step paired with the forward timed right after it, as
+benchmarks/step_cost.py does).
 
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
@@ -24,15 +27,17 @@ is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is `R
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 
 import torch
-from datasets import load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from datasets import concatenate_datasets, load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
@@ -92,6 +97,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
+    parser.add_argument("--step_cost", action="store_true", help="Only measure each ZO step in forwards.")
     parser.add_argument("--output", default="docs/images/llm_learning_curve.json", help="Where the JSON goes.")
     parser.add_argument("--figure", default="docs/images/llm_learning_curve.png", help="Where the figure goes.")
     parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
@@ -206,6 +212,46 @@ def zero_shot(options, tokenizer, evaluation) -> None:
         print(json.dumps(result), flush=True)
 
 
+class StopAfter(TrainerCallback):
+    """Stops training after `steps` optimizer steps."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.steps
+
+
+def step_cost(name: str, spec: dict, options, tokenizer, task, train, steps: int = 8, warmup: int = 2) -> dict:
+    """A ZO step of `spec` in forwards of the same batch: the median of step / forward over paired measurements."""
+    from step_cost import StepTimer, paired_ratio
+
+    rows = train.select(range(options.batch_size))
+    repeated = concatenate_datasets([rows] * (steps + warmup + 1))  # read in order: every step sees `rows`
+    spec = {**spec, "train_sampling_strategy": "sequential"}
+    trainer = build_trainer(spec, options, tokenizer, task, repeated, rows)
+    inputs = trainer._prepare_inputs(trainer.data_collator([rows[i] for i in range(len(rows))]))
+
+    @torch.no_grad()
+    def forward():
+        # The loss each of the step's forwards computes; on a copy, as the step does (`compute_loss` pops the labels).
+        trainer.compute_loss(trainer.model.eval(), copy.copy(inputs))
+
+    timer = StepTimer(forward)
+    trainer.add_callback(timer.callback)
+    trainer.add_callback(StopAfter(steps + warmup))
+    trainer.train()
+    ratio, low, high = paired_ratio(timer.durations[warmup:], timer.forwards[warmup:])
+    return {
+        "variant": name,
+        "step_seconds": round(statistics.median(timer.durations[warmup:]), 3),
+        "forward_seconds": round(statistics.median(timer.forwards[warmup:]), 3),
+        "zo_step_over_forward": round(ratio, 3),
+        "range": [round(low, 3), round(high, 3)],
+        "tokens_per_prompt": round(sum(len(r["input_ids"]) for r in rows) / len(rows), 1),
+    }
+
+
 def plot(results: list[dict], path: str, title: str) -> None:
     """Accuracy against optimizer steps and against training minutes."""
     import matplotlib
@@ -289,6 +335,10 @@ def main() -> None:
     template, words = TEMPLATES[options.template]
     task = PromptClassification(tokenizer, template, words, loss=options.loss)
     train, evaluation = task.tokenize(train), task.tokenize(evaluation)
+    if options.step_cost:
+        for name, spec in variants.items():
+            print(json.dumps(step_cost(name, spec, options, tokenizer, task, train)), flush=True)
+        return
     # Shortest prompts first: batches pad less (accuracy does not depend on the order).
     evaluation = evaluation.select(sorted(range(len(evaluation)), key=lambda i: len(evaluation[i]["input_ids"])))
     results = []

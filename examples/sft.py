@@ -44,7 +44,13 @@ def load_data(script_args: ScriptArguments, file_args: DataFileArguments):
     return dataset[script_args.dataset_train_split], dataset.get(script_args.dataset_test_split)
 
 
-def main(script_args, training_args, model_args, file_args):
+def make_parser() -> TrlParser:
+    """TRL's flags (`ScriptArguments`, `ZOSFTConfig`, `ModelConfig`) and the local data files."""
+    return TrlParser((ScriptArguments, ZOSFTConfig, ModelConfig, DataFileArguments))
+
+
+def main(script_args, training_args, model_args, file_args) -> ZOSFTTrainer:
+    """Train, save to `--output_dir` (and push with `--push_to_hub`); return the trainer."""
     training_args.model_init_kwargs = dict(
         revision=model_args.model_revision,
         trust_remote_code=training_args.trust_remote_code,
@@ -64,8 +70,8 @@ def main(script_args, training_args, model_args, file_args):
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return trainer
 
 
 if __name__ == "__main__":
-    parser = TrlParser((ScriptArguments, ZOSFTConfig, ModelConfig, DataFileArguments))
-    main(*parser.parse_args_and_config())
+    main(*make_parser().parse_args_and_config())

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 from test_examples import sentences, tiny_tokenizer, train_script, write_tsv
 
+from hf_zo import ZOTrajectory
+
 from tiny_models import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,11 +50,11 @@ def _run(command: list[str]) -> str:
     return output
 
 
-def launch(record_dir: Path, train_args: list[str]) -> list[dict]:
-    """`accelerate launch` with the shipped 2-process CPU config; return each rank's record."""
+def launch(record_dir: Path, train_args: list[str], example: str = "train") -> list[dict]:
+    """`accelerate launch` of examples/`example`.py with the shipped 2-process CPU config; each rank's record."""
     record_dir.mkdir(parents=True, exist_ok=True)
     command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), "--main_process_port", "0"]
-    _run(command + [str(ROOT / "tests" / "launch_worker.py"), str(record_dir)] + train_args)
+    _run(command + [str(ROOT / "tests" / "launch_worker.py"), example, str(record_dir)] + train_args)
     return [json.loads((record_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -193,3 +195,28 @@ def test_causal_lm_tasks_with_an_eval_strategy_train(files, tmp_path, task_type)
     )
     key = "eval_accuracy" if task_type == "prompt_classification" else "eval_loss"
     assert evaluation[key] == pytest.approx(records[0]["metrics"][key], rel=1e-5)
+
+
+def test_sft_example_with_lora_on_a_chat_file(tmp_path):
+    """examples/sft.py as docs/trl.md launches it: TRL's `--use_peft`, a local chat file, one evaluation."""
+    pytest.importorskip("trl")
+    from test_sft import CONVERSATIONS, tokenizer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "model")
+    tokenizer().save_pretrained(tmp_path / "model")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in 4 * CONVERSATIONS["messages"]))
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--train_file", str(chat), "--validation_file", str(chat)]
+    argv += ["--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--assistant_only_loss", "true"]
+    argv += ["--bf16", "false", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2"]
+    argv += ["--learning_rate", "1e-2", "--zo_eps", "1e-2", "--eval_strategy", "steps", "--eval_steps", "4"]
+    argv += ["--max_steps", "4", "--output_dir", str(out), "--report_to", "none", "--disable_tqdm", "true"]
+    records = launch(tmp_path / "records", [*argv, "--zo_verify_replicas_steps", "2"], example="sft")
+    assert [r["world_size"] for r in records] == [2, 2]
+    assert all(r["parallel_mode"] == "ParallelMode.DISTRIBUTED" for r in records)
+    assert records[0]["checksum"] == records[1]["checksum"]
+    assert all(r["global_step"] == 4 for r in records)
+    assert records[0]["metrics"]["eval_loss"] == records[1]["metrics"]["eval_loss"]
+    assert (out / "adapter_model.safetensors").is_file()
+    assert len(ZOTrajectory.load(out)) == 4

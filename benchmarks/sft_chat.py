@@ -1,0 +1,273 @@
+"""ZO SFT against TRL's first-order SFT on the embedded LLM: SST-2 as a chat task, scored by generation.
+
+Each SST-2 training sentence becomes a conversational prompt-completion example, the user turn
+``Is this movie review positive or negative?\\n{sentence}`` and the assistant turn ``positive`` or ``negative``,
+which TRL renders through the model's chat template (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) and
+trains on the completion only. The model answers the validation sentences (the same user turn, greedy, 6 new
+tokens); an answer is right when it names the right word and not the other. LoRA r 8 / alpha 16 on `q_proj` and
+`v_proj`, batch 16, a wall-time budget of training (evaluation excluded), one variant per process (their peak
+memories stay apart), then merge::
+
+    python benchmarks/sft_chat.py --variant zo --budget_minutes 20 --points 2 --output /tmp/sft_zo.json
+    python benchmarks/sft_chat.py --variant trl --budget_minutes 10 --points 1 --output /tmp/sft_trl.json
+    python benchmarks/sft_chat.py --merge /tmp/sft_zo.json /tmp/sft_trl.json --output docs/images/sft_chat.json
+
+`zo` is `hf_zo.ZOSFTTrainer` with `ZOSFTConfig` (MeZO's ZO-SGD; `--learning_rate` / `--zo_eps` override ZO's
+defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW, `--learning_rate`, default 2e-4). The two runs differ
+in the import and the config class only. Peak resident memory is measured over training and over inference
+forwards of the first training batches (the same batch shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from datasets import load_dataset
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
+
+from hf_zo.demo.memory import PeakMemory  # noqa: E402
+from hf_zo.models import embedded_llm_path  # noqa: E402
+
+QUESTION = "Is this movie review positive or negative?\n{sentence}"
+ANSWERS = ("negative", "positive")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
+    parser.add_argument("--variant", default="zo", choices=["zo", "trl"])
+    parser.add_argument("--learning_rate", type=float, default=None, help="Default: ZO's default / 2e-4 for TRL.")
+    parser.add_argument("--zo_eps", type=float, default=None, help="ZO only; default: ZO's default.")
+    parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time.")
+    parser.add_argument("--points", type=int, default=2, help="Evaluations after the zero-shot one, evenly in time.")
+    parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
+    parser.add_argument("--num_train", type=int, default=8192, help="Training sentences sampled from train.tsv.")
+    parser.add_argument("--num_eval", type=int, default=None, help="Validation sentences answered (default: all).")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--eval_batch_size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output", default="docs/images/sft_chat.json", help="Where the JSON goes.")
+    parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
+    return parser.parse_args()
+
+
+def chat_datasets(options: argparse.Namespace):
+    """The training examples (conversational prompt-completion) and the validation sentences."""
+    files = {split: os.path.join(options.data_dir, f"{split}.tsv") for split in ("train", "validation")}
+    raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=3)
+    train = raw["train"].shuffle(seed=options.seed).select(range(options.num_train))
+
+    def to_chat(row):
+        return {
+            "prompt": [{"role": "user", "content": QUESTION.format(sentence=row["sentence"].strip())}],
+            "completion": [{"role": "assistant", "content": ANSWERS[row["label"]]}],
+        }
+
+    train = train.map(to_chat, remove_columns=train.column_names)
+    validation = raw["validation"]
+    if options.num_eval:
+        validation = validation.select(range(options.num_eval))
+    return train, validation
+
+
+class GenerationAccuracy:
+    """The share of validation sentences whose greedy answer names the right word and not the other."""
+
+    def __init__(self, tokenizer, validation, batch_size: int, max_new_tokens: int = 6):
+        self.tokenizer, self.batch_size, self.max_new_tokens = tokenizer, batch_size, max_new_tokens
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": QUESTION.format(sentence=s.strip())}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for s in validation["sentence"]
+        ]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # batches of similar length pad less
+        self.prompts = [prompts[i] for i in order]
+        self.labels = [validation["label"][i] for i in order]
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict:
+        was_training = model.training
+        model.eval()
+        padding_side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
+        start = time.perf_counter()
+        right = unclear = 0
+        try:
+            for first in range(0, len(self.prompts), self.batch_size):
+                batch = self.tokenizer(
+                    self.prompts[first : first + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=False,
+                )
+                generated = model.generate(
+                    **batch,
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+                answers = self.tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :])
+                for answer, label in zip(answers, self.labels[first : first + self.batch_size], strict=True):
+                    named = [word in answer.lower() for word in ANSWERS]
+                    if sum(named) != 1:
+                        unclear += 1
+                    elif named[label]:
+                        right += 1
+        finally:
+            self.tokenizer.padding_side = padding_side
+            model.train(was_training)
+        total = len(self.prompts)
+        return {
+            "accuracy": round(right / total, 4),
+            "unclear": unclear,
+            "eval_seconds": round(time.perf_counter() - start, 1),
+        }
+
+
+class Budget(WallTimeBudget):
+    """`WallTimeBudget` scored by generation; its first point is the zero-shot score already measured."""
+
+    def __init__(self, trainer, budget, points, max_steps, score: GenerationAccuracy, zero_shot: dict):
+        super().__init__(trainer, budget, points, max_steps)
+        self.score, self.zero_shot = score, zero_shot
+
+    def _evaluate(self) -> dict:
+        if self.zero_shot is not None:
+            result, self.zero_shot = self.zero_shot, None
+            return result
+        return self.score(self.trainer.model)
+
+
+def build_trainer(options, tokenizer, train):
+    from peft import LoraConfig
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="hf_zo_sft_chat_"),
+        max_steps=10**6,
+        per_device_train_batch_size=options.batch_size,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=50,
+        report_to=[],
+        seed=options.seed,
+        use_cpu=True,
+        bf16=False,  # fp32 for both: TRL's SFTConfig turns bf16 autocast on, 4x slower on CPUs without bf16 units
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    if options.variant == "zo":
+        from hf_zo import ZOSFTConfig as SFTConfig
+        from hf_zo import ZOSFTTrainer as SFTTrainer
+
+        common.update(learning_rate=options.learning_rate, zo_eps=options.zo_eps)
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+        common.update(learning_rate=options.learning_rate or 2e-4, gradient_checkpointing=False)  # ZO's default
+    args = SFTConfig(**common)
+    return SFTTrainer(
+        model=options.model, args=args, train_dataset=train, processing_class=tokenizer, peft_config=peft_config
+    )
+
+
+@torch.no_grad()
+def inference_peak(trainer, batches: int = 4) -> float:
+    """Peak resident MiB over evaluation forwards (`compute_loss` in eval mode, as `trainer.evaluate()` runs it) of
+    the first training batches: inference on the training batch."""
+    model = trainer.model
+    model.eval()
+    with PeakMemory(interval=0.02) as memory:
+        for index, batch in enumerate(trainer.get_train_dataloader()):
+            if index == batches:
+                break
+            trainer.compute_loss(model, trainer._prepare_inputs(batch))
+    model.train()
+    return memory.peak_mib
+
+
+def run(options) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    train, validation = chat_datasets(options)
+    score = GenerationAccuracy(tokenizer, validation, options.eval_batch_size)
+    trainer = build_trainer(options, tokenizer, train)
+    zero_shot = score(trainer.model)  # LoRA's B starts at zero: the adapter changes nothing yet
+    print(json.dumps({"zero_shot": zero_shot}), flush=True)
+    inference_mib = inference_peak(trainer)
+    budget = Budget(trainer, 60.0 * options.budget_minutes, options.points, options.max_steps, score, zero_shot)
+    trainer.add_callback(budget)
+    with PeakMemory(interval=0.02) as training:
+        budget.start()
+        trainer.train()
+    curve = budget.curve
+    steps = trainer.state.global_step
+    return {
+        "variant": options.variant,
+        "trainer": type(trainer).__name__,
+        "learning_rate": trainer.args.learning_rate,
+        "zo_eps": getattr(trainer.args, "zo_eps", None),
+        "batch": options.batch_size,
+        "steps": steps,
+        "train_seconds": round(budget.seconds, 1),
+        "seconds_per_step": round((budget.seconds - curve[0]["train_seconds"]) / max(1, steps), 3),
+        "zero_shot_accuracy": zero_shot["accuracy"],
+        "final_accuracy": curve[-1]["accuracy"],
+        "inference_peak_mib": round(inference_mib, 1),
+        "training_peak_mib": round(training.peak_mib, 1),
+        "training_over_inference_memory": round(training.peak_mib / inference_mib, 3),
+        "evaluated_on": f"SST-2 validation ({len(validation)})",
+        "curve": curve,
+    }
+
+
+def table(results: list[dict]) -> str:
+    """The Markdown table of docs/trl.md: one row per run, one column per evaluation point."""
+    rows = [
+        "| trainer | lr | steps | s / step | zero-shot | accuracy by training minutes | peak memory (training / "
+        "inference) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        points = ", ".join(
+            f"{p['train_seconds'] / 60:.1f} min: {100 * p['accuracy']:.1f}% ({p['unclear']} unclear)"
+            for p in r["curve"][1:]
+        )
+        rows.append(
+            f"| `{r['trainer']}` | {r['learning_rate']:g} | {r['steps']} | {r['seconds_per_step']:.2f} | "
+            f"{100 * r['zero_shot_accuracy']:.1f}% | {points} | {r['training_peak_mib']:.0f} / "
+            f"{r['inference_peak_mib']:.0f} MiB ({r['training_over_inference_memory']:.2f}x) |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    options = parse_args()
+    if options.merge:
+        results = []
+        for path in options.merge:
+            with open(path) as file:
+                results += json.load(file)["results"]
+    else:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        options.model = options.model or embedded_llm_path()
+        results = [run(options)]
+        print(json.dumps({k: v for k, v in results[0].items() if k != "curve"}), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(options.output)), exist_ok=True)
+    with open(options.output, "w") as file:
+        json.dump({"results": results}, file, indent=1)
+    print(f"wrote {options.output}\n\n{table(results)}")
+
+
+if __name__ == "__main__":
+    main()
