@@ -104,10 +104,24 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def read_sst2(data_dir: str):
+    """SST-2's `train.tsv` and `validation.tsv` in `data_dir`, as a `DatasetDict`."""
+    files = {split: os.path.join(data_dir, f"{split}.tsv") for split in ("train", "validation")}
+    return load_dataset("csv", data_files=files, delimiter="\t", quoting=3)
+
+
+def read_results(paths: list[str]) -> list[dict]:
+    """The runs in these JSON files, in order (for `--merge`)."""
+    results = []
+    for path in paths:
+        with open(path) as file:
+            results += json.load(file)["results"]
+    return results
+
+
 def load_sst2(options: argparse.Namespace):
     """The training sample and the evaluation set (validation, or `--heldout` training sentences), untokenized."""
-    files = {split: os.path.join(options.data_dir, f"{split}.tsv") for split in ("train", "validation")}
-    raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=3)
+    raw = read_sst2(options.data_dir)
     train = raw["train"].shuffle(seed=options.seed)
     if options.heldout:
         evaluation = train.select(range(options.heldout))
@@ -311,10 +325,7 @@ def write(options, results: list[dict], title: str) -> None:
 def main() -> None:
     options = parse_args()
     if options.merge:
-        results = []
-        for path in options.merge:
-            with open(path) as file:
-                results += json.load(file)["results"]
+        results = read_results(options.merge)
         write(options, results, f"SmolLM2-135M-Instruct, {results[0]['evaluated_on']}, batch {results[0]['batch']}")
         return
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -28,11 +28,11 @@ import tempfile
 import time
 
 import torch
-from datasets import load_dataset
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
+from llm_learning_curve import read_results, read_sst2  # noqa: E402
 
 from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.models import embedded_llm_path  # noqa: E402
@@ -63,8 +63,7 @@ def parse_args() -> argparse.Namespace:
 
 def chat_datasets(options: argparse.Namespace):
     """The training examples (conversational prompt-completion) and the validation sentences."""
-    files = {split: os.path.join(options.data_dir, f"{split}.tsv") for split in ("train", "validation")}
-    raw = load_dataset("csv", data_files=files, delimiter="\t", quoting=3)
+    raw = read_sst2(options.data_dir)
     train = raw["train"].shuffle(seed=options.seed).select(range(options.num_train))
 
     def to_chat(row):
@@ -254,10 +253,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     options = parse_args()
     if options.merge:
-        results = []
-        for path in options.merge:
-            with open(path) as file:
-                results += json.load(file)["results"]
+        results = read_results(options.merge)
     else:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         options.model = options.model or embedded_llm_path()
