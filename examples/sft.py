@@ -4,9 +4,12 @@
 optimizer. Data come from a Hub dataset (`--dataset_name`) or from local JSON/JSONL files (`--train_file`,
 `--validation_file`) in any of TRL's formats (`messages`, `prompt`/`completion`, `text`)::
 
-    python examples/sft.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --train_file chat.jsonl \
-        --use_peft --lora_target_modules q_proj v_proj --assistant_only_loss true --max_steps 1000 \
-        --output_dir smollm2-chat-zo
+    python examples/sft.py --model_name_or_path "$(hf-zo embedded-llm)" --train_file chat.jsonl \
+        --use_peft --lora_target_modules q_proj v_proj --max_steps 1000 --output_dir smollm2-chat-zo
+
+with rows such as ``{"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}`` (TRL trains
+the completion only). `--assistant_only_loss true` over `messages` rows needs a chat template with
+``{% generation %}`` markers, which SmolLM2's lacks: TRL then refuses it, naming the template.
 
 Leave `--learning_rate` and `--zo_eps` unset for ZO's defaults by method (docs/hyperparameters.md). The trained
 adapter (with `--use_peft`) or model is saved in `--output_dir`. See docs/trl.md.
