@@ -21,7 +21,9 @@ Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher 
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
 `transformers.Trainer`). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs. `--template mezo` (default)
 is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
-` negative`, ` positive`.
+` negative`, ` positive`. The learning rate is constant unless `--set` says otherwise: `--set
+mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20
+minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", default="fzoo_lora", help=f"Comma-separated subset of {list(VARIANTS)}.")
     parser.add_argument("--template", default="mezo", choices=list(TEMPLATES), help="The prompt and label words.")
     parser.add_argument("--loss", default="classification", choices=["classification", "lm"])
-    parser.add_argument("--set", nargs="*", default=[], help="Overrides, e.g. fzoo_lora.learning_rate=3e-5.")
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="Overrides, e.g. fzoo_lora.learning_rate=3e-5 (JSON, else a string)."
+    )
     parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time of each variant.")
     parser.add_argument("--points", type=int, default=4, help="Evaluations after the first one, evenly in time.")
     parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
@@ -153,8 +157,8 @@ def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, tr
         seed=options.seed,
         use_cpu=True,
         label_names=["labels"],
-        **fields,
     )
+    common.update(fields)  # the variant's fields and `--set` override the shared ones
     model = build_model(options.model, spec["method"])
     kwargs = dict(
         model=model,
@@ -189,7 +193,8 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
     with PeakMemory(interval=0.02) as inference:
         zero_shot = trainer.evaluate()
     eval_seconds = time.perf_counter() - start
-    budget = Budget(trainer, 60.0 * options.budget_minutes, options.points, options.max_steps, zero_shot)
+    max_steps = min(options.max_steps or trainer.args.max_steps, trainer.args.max_steps)  # a variant's own too
+    budget = Budget(trainer, 60.0 * options.budget_minutes, options.points, max_steps, zero_shot)
     trainer.add_callback(budget)
     with PeakMemory(interval=0.02) as training:
         budget.start()
@@ -342,7 +347,10 @@ def main() -> None:
     for override in options.set:
         target, value = override.split("=", 1)
         name, field = target.split(".", 1)
-        variants[name][field] = json.loads(value)
+        try:
+            variants[name][field] = json.loads(value)
+        except json.JSONDecodeError:  # a bare string, e.g. train_sampling_strategy=group_by_length
+            variants[name][field] = value
     template, words = TEMPLATES[options.template]
     task = PromptClassification(tokenizer, template, words, loss=options.loss)
     train, evaluation = task.tokenize(train), task.tokenize(evaluation)
