@@ -188,6 +188,39 @@ def test_zo_perturbs_and_scores_only_the_trained_tokens(tmp_path, data, option):
     assert torch.allclose((losses[0] + losses[1]) / 2, reference, atol=1e-4)
 
 
+def test_fused_lm_head_projects_only_the_labelled_positions_on_cpu(tmp_path, monkeypatch):
+    """ZOSFTTrainer's loss on the CPU projects the completion's positions only, to the same value as TRL's projection
+    of every position (which TRL makes on devices without Triton)."""
+    from datasets import Dataset
+    from trl import SFTTrainer
+    from trl.trainer import utils as trl_utils
+
+    trainer = ZOSFTTrainer(
+        model=tiny_causal_lm("llama"),
+        args=sft_args(tmp_path, completion_only_loss=True),
+        train_dataset=Dataset.from_dict(PROMPT_COMPLETIONS),
+        processing_class=tokenizer(),
+    )
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    projected = []
+    project = trl_utils._ChunkedLogProbFunction.apply
+
+    def counting(hidden, *args):
+        projected.append(hidden.shape[0])
+        return project(hidden, *args)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counting)
+    trainer.model.eval()
+    with torch.no_grad():
+        compact = trainer.compute_loss(trainer.model, dict(batch))
+        every_position = SFTTrainer.compute_loss(trainer, trainer.model, dict(batch))
+    labelled = int((batch["labels"][:, 1:] != -100).sum())
+    assert projected == [labelled, batch["input_ids"].numel() - batch["input_ids"].shape[0]]
+    assert trl_utils._use_triton(torch.device("cpu")) is False  # the context restored TRL's choice
+    assert torch.allclose(compact, every_position, rtol=1e-6, atol=0)
+    assert torch.allclose(compact, _masked_loss(trainer.model, batch), atol=1e-6)
+
+
 def test_peft_config_trains_the_adapter_only_with_lora_defaults(tmp_path):
     model = tiny_causal_lm("llama")
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
