@@ -271,6 +271,14 @@ def step_cost(name: str, spec: dict, options, tokenizer, task, train, steps: int
     }
 
 
+def schedule(result: dict) -> str:
+    """The run's learning rate and schedule, e.g. "lr 2e-3 constant" or "lr 2e-3 linear over 340 steps"."""
+    spec = result["spec"]
+    kind = spec.get("lr_scheduler_type", "constant")
+    over = f" over {spec['max_steps']} steps" if kind != "constant" and "max_steps" in spec else ""
+    return f"lr {spec['learning_rate']:g} {kind}{over}"
+
+
 def plot(results: list[dict], path: str, title: str) -> None:
     """Accuracy against optimizer steps and against training minutes."""
     import matplotlib
@@ -282,7 +290,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
     for result in results:
         style = dict(linestyle="--" if result["spec"]["trainer"] == "adamw" else "-", marker="o", markersize=3)
         accuracy = [100 * p["accuracy"] for p in result["curve"]]
-        label = f"{result['variant']} ({result['template']})"
+        label = f"{result['variant']} ({result['template']}, {schedule(result)})"
         by_step.plot([p["step"] for p in result["curve"]], accuracy, label=label, **style)
         by_time.plot([p["train_seconds"] / 60 for p in result["curve"]], accuracy, label=label, **style)
     figure.suptitle(title)
@@ -311,7 +319,7 @@ def table(results: list[dict]) -> str:
                 f"({r['training_over_inference_memory']:.2f}x)"
             )
         rows.append(
-            f"| {r['variant']} | {r['template']} | {r['steps']} | {r['seconds_per_step']:.2f} | "
+            f"| {r['variant']}, {schedule(r)} | {r['template']} | {r['steps']} | {r['seconds_per_step']:.2f} | "
             f"{100 * r['start_accuracy']:.1f}% | {100 * r['final_accuracy']:.1f}% | {100 * r['best_accuracy']:.1f}% | "
             f"{memory} |"
         )
