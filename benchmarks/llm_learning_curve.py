@@ -19,7 +19,8 @@ benchmarks/step_cost.py does).
 
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
-`transformers.Trainer`). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs. `--template mezo` (default)
+`transformers.Trainer`), `mezo_ln`, `adamw_ln` (PEFT's LN tuning: the 61 RMSNorm weights, 35,136 parameters,
+against LoRA's 460,800). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs. `--template mezo` (default)
 is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
 ` negative`, ` positive`. The learning rate is constant unless `--set` says otherwise: `--set
 mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20
@@ -47,7 +48,7 @@ from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark'
 from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
 from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.metrics import build_compute_metrics  # noqa: E402
-from hf_zo.models import embedded_llm_path  # noqa: E402
+from hf_zo.models import embedded_llm_path, norm_module_names  # noqa: E402
 from hf_zo.prompts import PromptClassification  # noqa: E402
 
 TEMPLATES = {
@@ -78,8 +79,10 @@ VARIANTS: dict[str, dict] = {
     },
     "mezo_lora": {"method": "lora", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 2e-3, "zo_eps": 1e-2},
     "mezo_full": {"method": "full", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-6, "zo_eps": 1e-3},
+    "mezo_ln": {"method": "ln", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 3e-3, "zo_eps": 1e-3},
     "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
     "adamw_full": {"method": "full", "trainer": "adamw", "learning_rate": 1e-5},
+    "adamw_ln": {"method": "ln", "trainer": "adamw", "learning_rate": 1e-3},
 }
 
 
@@ -136,10 +139,13 @@ def load_sst2(options: argparse.Namespace):
 
 def build_model(path: str, method: str):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if method == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
+    from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model
 
+    if method == "lora":
         model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **LORA))
+    elif method == "ln":
+        config = LNTuningConfig(task_type=TaskType.CAUSAL_LM, target_modules=norm_module_names(model))
+        model = get_peft_model(model, config)
     return model
 
 

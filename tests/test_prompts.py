@@ -126,6 +126,23 @@ def test_zo_trainer_trains_and_evaluates_a_prompt_task_with_the_stock_hooks(tmp_
     assert predictions.shape == (5, 2)
 
 
+def test_scores_come_back_in_the_data_sets_order_though_batches_run_longest_first(tmp_path):
+    """`predict_scores` and `Trainer.predict` (whose evaluation batches run longest first) give row i the scores of
+    prompt i scored alone, and `predict`'s labels stay beside their rows."""
+    model = tiny_causal_lm("llama").eval()
+    task = PromptClassification(tokenizer(), TEMPLATE, [" bad", " good"])
+    rows = task.tokenize(examples())
+    assert [len(r) for r in rows["input_ids"]] != sorted((len(r) for r in rows["input_ids"]), reverse=True)
+    with torch.no_grad():
+        alone = torch.stack([task.scores(model(input_ids=torch.tensor([r["input_ids"]])).logits) for r in rows])[:, 0]
+
+    torch.testing.assert_close(task.predict_scores(model, rows, batch_size=2), alone, atol=1e-5, rtol=1e-5)
+    args = zo_args(tmp_path, per_device_eval_batch_size=2, label_names=["labels"])
+    output = ZOTrainer(model=model, args=args, **task.trainer_kwargs()).predict(rows)
+    torch.testing.assert_close(torch.as_tensor(output.predictions), alone, atol=1e-5, rtol=1e-5)
+    assert output.label_ids.tolist() == [1, 0, 0, 0, 1]
+
+
 def test_ready_tasks_have_one_label_word_per_label_and_their_fields_in_the_template():
     for name, task in PROMPT_TASKS.items():
         assert len(task.label_words) >= 2, name

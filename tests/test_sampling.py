@@ -1,14 +1,16 @@
-"""Training batches grouped by length (`ZOConfig`'s default): what each step sees (resume: tests/test_trainer.py;
-layouts: tests/test_distributed.py)."""
+"""Batches grouped by length (`ZOConfig`'s default): what each training step sees (resume: tests/test_trainer.py;
+layouts: tests/test_distributed.py), and evaluation batches longest first with results in the data set's order."""
 
 import logging
 
+import numpy as np
+import pytest
 import torch
 from torch.utils.data import RandomSampler, SequentialSampler, TensorDataset
 
 from hf_zo import ZOTrainer
 from hf_zo.heads import example_lengths
-from hf_zo.training import ZOLengthGroupedSampler
+from hf_zo.training import LengthSortedSampler, ZOLengthGroupedSampler
 
 from tiny_models import pad_lm_batch as pad
 from tiny_models import ragged_lm_dataset, tiny_causal_lm, zo_args
@@ -56,13 +58,28 @@ def test_zo_trainer_groups_training_batches_by_the_global_batch_and_keeps_evalua
     sampler = trainer._get_train_sampler()
     assert isinstance(sampler, ZOLengthGroupedSampler)
     assert (sampler.batch_size, sampler.seed) == (6, 11)  # 2 per device x 3 accumulated x 1 data-parallel group
-    assert isinstance(trainer._get_eval_sampler(data), SequentialSampler)
+    evaluation = trainer._get_eval_sampler(data)
+    assert isinstance(evaluation, LengthSortedSampler)  # evaluation batches longest first, restored in order
+    assert [len(data[i]["input_ids"]) for i in evaluation] == sorted((len(r) for r in data["input_ids"]), reverse=True)
     predictions = trainer.predict(data).predictions
-    first = trainer.model(**pad([data[5]])).logits[0]
-    assert torch.allclose(torch.as_tensor(predictions[5, : len(data[5]["input_ids"])]), first, atol=1e-5)
+    for index in (0, 5, 39):
+        alone = trainer.model(**pad([data[index]])).logits[0]
+        assert torch.allclose(torch.as_tensor(predictions[index, : len(data[index]["input_ids"])]), alone, atol=1e-5)
 
     trainer.args.train_sampling_strategy = "random"
     assert isinstance(trainer._get_train_sampler(), RandomSampler)
+    assert isinstance(trainer._get_eval_sampler(data), SequentialSampler)
+
+
+def test_length_sorted_sampler_restores_nested_rows_and_refuses_a_wrong_count():
+    sampler = LengthSortedSampler([2, 5, 3, 5])
+    assert list(sampler) == [1, 3, 2, 0]  # longest first, ties in the data set's order
+    rows = np.array([10, 30, 20, 0])  # row k belongs to example sampler.order[k]
+    restored = sampler.restore({"scores": (rows, torch.as_tensor(rows)), "none": None})
+    assert restored["scores"][0].tolist() == [0, 10, 20, 30] and restored["scores"][1].tolist() == [0, 10, 20, 30]
+    assert restored["none"] is None
+    with pytest.raises(ValueError, match="Expected 4 rows"):
+        sampler.restore(rows[:3])
 
 
 def test_without_lengths_training_batches_are_drawn_at_random_with_a_warning(tmp_path, caplog):

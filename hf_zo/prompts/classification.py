@@ -169,15 +169,19 @@ class PromptClassification:
     @torch.no_grad()
     def predict_scores(self, model, dataset, batch_size: int = 32) -> torch.Tensor:
         """The label words' scores, `(len(dataset), num_labels)`, of `model` on tokenized rows, in order (a plain
-        loop for scripts and callbacks; `Trainer.predict` gives the same)."""
+        loop for scripts and callbacks; `Trainer.predict` gives the same). The batches run longest first, so that
+        each pads little."""
         device = next(model.parameters()).device
-        chunks = []
+        rows = [dataset[i] for i in range(len(dataset))]
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]), reverse=True)
+        scores = torch.empty(len(rows), len(self.label_word_ids))
         was_training = model.training
         model.eval()
-        for start in range(0, len(dataset), batch_size):
-            batch = self([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        for start in range(0, len(rows), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = self([rows[i] for i in chunk])
             batch.pop("labels")
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            chunks.append(self.scores(model(**batch).logits))
+            scores[chunk] = self.scores(model(**batch).logits).cpu()
         model.train(was_training)
-        return torch.cat(chunks)
+        return scores

@@ -13,12 +13,13 @@ from .defaults import (
     fill_method_defaults,
     trained_method,
 )
-from .sampling import SamplerEpochCallback, ZOLengthGroupedSampler
+from .sampling import LengthSortedSampler, SamplerEpochCallback, ZOLengthGroupedSampler
 
 __all__ = [
     "HEAD_INIT_CHOICES",
     "HEAD_TRAINING_CHOICES",
     "LABEL_WORD_METHOD_DEFAULTS",
+    "LengthSortedSampler",
     "METHOD_DEFAULTS",
     "OPTIMIZER_METHOD_DEFAULTS",
     "MethodDefaults",

@@ -1,17 +1,21 @@
-"""Training batches of similar length: a `LengthGroupedSampler` whose order is the same in every layout and resume.
+"""Batches of similar length: training batches from a `LengthGroupedSampler` whose order is the same in every
+layout and resume, evaluation batches longest first with the results put back in the data set's order.
 
 A ZO step is two forward passes over a padded batch, and ZO takes many steps: with batches drawn at random, most of
 a short-text batch is padding (SST-2 phrases of 2 to 60 tokens). `ZOConfig` therefore defaults to
 `train_sampling_strategy="group_by_length"`, served by :class:`ZOLengthGroupedSampler`. The lengths come from
 `hf_zo.heads.example_lengths`, which lives below the trainer because the linear probe orders its examples by them too.
+Evaluation pads the same way: SST-2's 872 validation prompts are 26,303 tokens, 43,832 once padded in batches of 16
+in the data set's order, and 26,720 sorted by length (:class:`LengthSortedSampler`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
 from transformers.trainer_utils import has_length
@@ -22,7 +26,7 @@ from .checks import check_sampling_fits_layout
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["SamplerEpochCallback", "ZOLengthGroupedSampler", "ZOSamplingMixin"]
+__all__ = ["LengthSortedSampler", "SamplerEpochCallback", "ZOLengthGroupedSampler", "ZOSamplingMixin"]
 
 
 class ZOLengthGroupedSampler(LengthGroupedSampler):
@@ -58,6 +62,40 @@ class ZOLengthGroupedSampler(LengthGroupedSampler):
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
 
+class LengthSortedSampler(Sampler[int]):
+    """The examples longest first (ties in the data set's order), and the way back to the data set's order.
+
+    Evaluation batches of similar length carry little padding; the first batch is the longest, so that an
+    out-of-memory error shows at once. :meth:`restore` puts rows computed in this order back in the data set's order.
+
+    Args:
+        lengths (`list[int]`): the length of every example.
+    """
+
+    def __init__(self, lengths: list[int]):
+        self.order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def restore(self, rows):
+        """`rows` (an array, tensor, or a tuple, list or dict of them; `None` passes) whose first dimension
+        follows this sampler's order, in the data set's order instead."""
+        if rows is None:
+            return None
+        if isinstance(rows, (tuple, list)):
+            return type(rows)(self.restore(r) for r in rows)
+        if isinstance(rows, dict):
+            return {key: self.restore(r) for key, r in rows.items()}
+        if len(rows) != len(self.order):
+            raise ValueError(f"Expected {len(self.order)} rows in the sampler's order, got {len(rows)}.")
+        inverse = np.argsort(self.order)
+        return rows[torch.as_tensor(inverse)] if isinstance(rows, torch.Tensor) else rows[inverse]
+
+
 class SamplerEpochCallback(TrainerCallback):
     """Tells the training sampler which epoch `Trainer` starts.
 
@@ -86,8 +124,9 @@ class SamplerEpochCallback(TrainerCallback):
 
 class ZOSamplingMixin:
     """The `Trainer` hooks that choose the order of the examples under ZO: length-grouped training batches over the
-    global batch (`ZOConfig`'s default `train_sampling_strategy="group_by_length"`), evaluation in the data set's
-    order, and the global batch counted over data-parallel groups only.
+    global batch (`ZOConfig`'s default `train_sampling_strategy="group_by_length"`), evaluation batches longest
+    first under the same strategy with `predict`'s rows in the data set's order, and the global batch counted over
+    data-parallel groups only.
 
     Mixed into `ZOTrainerMixin`, ahead of a `transformers.Trainer`; reads the trainer's `zo_plugin` (the layout) and
     `zo_sampler_epoch` (a :class:`SamplerEpochCallback` added as a callback).
@@ -115,11 +154,29 @@ class ZOSamplingMixin:
         return self.zo_sampler_epoch.build_sampler(lengths, self.get_total_train_batch_size(self.args), seed)
 
     def _get_eval_sampler(self, eval_dataset):
-        """Evaluation and prediction keep the data set's order: only training batches are grouped by length, so
-        `predict` returns one row per example in order whatever `train_sampling_strategy` is."""
-        if eval_dataset is None or not has_length(eval_dataset):
+        """With `train_sampling_strategy="group_by_length"` on one process, a :class:`LengthSortedSampler` (as
+        `Trainer` groups evaluation batches under that strategy, but in a fixed order that
+        :meth:`evaluation_loop` undoes); otherwise the data set's order (several processes: Accelerate shards it)."""
+        if eval_dataset is None or not has_length(eval_dataset) or self.args.world_size > 1:
             return None
-        return SequentialSampler(eval_dataset) if self.args.world_size <= 1 else None
+        if self.args.train_sampling_strategy == "group_by_length":
+            input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+            lengths = example_lengths(eval_dataset, self.args.length_column_name, input_name[0])
+            if lengths is not None:
+                return LengthSortedSampler(lengths)
+        return SequentialSampler(eval_dataset)
+
+    def evaluation_loop(self, dataloader, *args, **kwargs):
+        """`Trainer.evaluation_loop`, whose predictions and labels come back in the data set's order when the
+        batches ran longest first (`compute_metrics` sees them in the batches' order, each prediction beside its
+        label), so that `predict` returns one row per example in order whatever the strategy is."""
+        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        sampler = getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)
+        if not isinstance(sampler, LengthSortedSampler):
+            return output
+        return output._replace(
+            predictions=sampler.restore(output.predictions), label_ids=sampler.restore(output.label_ids)
+        )
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """Examples per optimizer step: the ranks of a perturbation-parallel group share theirs, so only the
