@@ -4,9 +4,10 @@ Each SST-2 training sentence becomes a conversational prompt-completion example,
 ``Is this movie review positive or negative?\\n{sentence}`` and the assistant turn ``positive`` or ``negative``,
 which TRL renders through the model's chat template (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) and
 trains on the completion only. The model answers the validation sentences (the same user turn, greedy, 6 new
-tokens); an answer is right when it names the right word and not the other. LoRA r 8 / alpha 16 on `q_proj` and
-`v_proj`, batch 16, a wall-time budget of training (evaluation excluded), one variant per process (their peak
-memories stay apart), then merge::
+tokens); an answer is right when it names the right word and not the other. `--system_prompt ''` puts an empty
+system turn first (the template's default system prompt is 16 of a prompt's 52 tokens). LoRA r 8 / alpha 16 on
+`q_proj` and `v_proj` (`--peft ln`: LN tuning of every RMSNorm instead), batch 16, a wall-time budget of training
+(evaluation excluded), one variant per process (their peak memories stay apart), then merge::
 
     python benchmarks/sft_chat.py --variant zo --budget_minutes 20 --points 2 --output /tmp/sft_zo.json
     python benchmarks/sft_chat.py --variant trl --budget_minutes 10 --points 1 --output /tmp/sft_trl.json
@@ -29,7 +30,7 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
@@ -55,11 +56,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_train", type=int, default=8192, help="Training sentences sampled from train.tsv.")
     parser.add_argument("--num_eval", type=int, default=None, help="Validation sentences answered (default: all).")
     parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument(
+        "--peft", default="lora", choices=["lora", "ln"], help="LoRA r 8 on q/v, or LN tuning (every RMSNorm)."
+    )
+    parser.add_argument(
+        "--system_prompt",
+        default=None,
+        help="A system turn before each question ('' for an empty one); default: none, so the chat template adds "
+        "SmolLM2's own (16 of a prompt's 52 tokens on average).",
+    )
     parser.add_argument("--eval_batch_size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output", default="docs/images/sft_chat.json", help="Where the JSON goes.")
     parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
     return parser.parse_args()
+
+
+def prompt_turns(sentence: str, system_prompt: str | None) -> list[dict]:
+    """The prompt's turns: the question about `sentence`, after a system turn when `system_prompt` is given."""
+    system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    return [*system, {"role": "user", "content": QUESTION.format(sentence=sentence.strip())}]
 
 
 def chat_datasets(options: argparse.Namespace):
@@ -69,7 +85,7 @@ def chat_datasets(options: argparse.Namespace):
 
     def to_chat(row):
         return {
-            "prompt": [{"role": "user", "content": QUESTION.format(sentence=row["sentence"].strip())}],
+            "prompt": prompt_turns(row["sentence"], options.system_prompt),
             "completion": [{"role": "assistant", "content": ANSWERS[row["label"]]}],
         }
 
@@ -83,11 +99,11 @@ def chat_datasets(options: argparse.Namespace):
 class GenerationAccuracy:
     """The share of validation sentences whose greedy answer names the right word and not the other."""
 
-    def __init__(self, tokenizer, validation, batch_size: int, max_new_tokens: int = 6):
+    def __init__(self, tokenizer, validation, batch_size: int, system_prompt: str | None, max_new_tokens: int = 6):
         self.tokenizer, self.batch_size, self.max_new_tokens = tokenizer, batch_size, max_new_tokens
         prompts = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": QUESTION.format(sentence=s.strip())}],
+                prompt_turns(s, system_prompt),
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -164,7 +180,9 @@ class Budget(WallTimeBudget):
 
 
 def build_trainer(options, tokenizer, train):
-    from peft import LoraConfig
+    from peft import LNTuningConfig, LoraConfig
+
+    from hf_zo.models import norm_module_names
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="hf_zo_sft_chat_"),
@@ -179,7 +197,11 @@ def build_trainer(options, tokenizer, train):
         bf16=False,  # fp32 for both: TRL's SFTConfig turns bf16 autocast on, 4x slower on CPUs without bf16 units
         model_init_kwargs={"dtype": torch.float32},
     )
-    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    if options.peft == "lora":
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    else:
+        norms = norm_module_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(options.model)))
+        peft_config = LNTuningConfig(target_modules=norms, task_type="CAUSAL_LM")
     if options.variant == "zo":
         from hf_zo import ZOSFTConfig as SFTConfig
         from hf_zo import ZOSFTTrainer as SFTTrainer
@@ -213,7 +235,7 @@ def inference_peak(trainer, batches: int = 4) -> float:
 def run(options) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     train, validation = chat_datasets(options)
-    score = GenerationAccuracy(tokenizer, validation, options.eval_batch_size)
+    score = GenerationAccuracy(tokenizer, validation, options.eval_batch_size, options.system_prompt)
     trainer = build_trainer(options, tokenizer, train)
     zero_shot = score(trainer.model)  # LoRA's B starts at zero: the adapter changes nothing yet
     print(json.dumps({"zero_shot": zero_shot}), flush=True)
@@ -231,6 +253,8 @@ def run(options) -> dict:
         "learning_rate": trainer.args.learning_rate,
         "zo_eps": getattr(trainer.args, "zo_eps", None),
         "batch": options.batch_size,
+        "peft": options.peft,
+        "system_prompt": options.system_prompt,
         "steps": steps,
         "train_seconds": round(budget.seconds, 1),
         "seconds_per_step": round((budget.seconds - curve[0]["train_seconds"]) / max(1, steps), 3),

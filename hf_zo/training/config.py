@@ -195,8 +195,9 @@ class ZOConfig(TrainingArguments):
             cores) 300 steps take 22.7 s instead of 48.9 s with batches drawn at random. The order depends only on
             the seed, the epoch and the global batch, so data parallelism equals gradient accumulation and resume is
             exact. Without a length per example (a `length_column_name` column or the tokenizer's first input in
-            every example) batches are drawn at random, with a warning. Evaluation and `predict` keep the data set's
-            order. `"random"` is `Trainer`'s default.
+            every example) batches are drawn at random, with a warning. On one process evaluation batches run
+            longest first (`hf_zo.training.sampling.LengthSortedSampler`) and `predict` returns its rows in the
+            data set's order. `"random"` is `Trainer`'s default.
         average_tokens_across_devices (`bool`, defaults to `False`):
             A ZO loss is the mean over its micro-batch, so the per-step all-gather of token counts is not needed.
         dataloader_pin_memory (`bool`, defaults to `True`):
@@ -282,7 +283,8 @@ class ZOConfig(TrainingArguments):
     train_sampling_strategy: str = field(
         default="group_by_length",
         metadata={
-            "help": "Sampler for training: 'group_by_length' (default: batches of similar length, little padding), "
+            "help": "Sampler for training: 'group_by_length' (default: batches of similar length, little padding; "
+            "evaluation batches longest first), "
             "'random', 'sequential' or 'batch_rebalance'.",
             "choices": ["group_by_length", "random", "sequential", "batch_rebalance"],
         },
