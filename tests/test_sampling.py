@@ -66,6 +66,9 @@ def test_zo_trainer_groups_training_batches_by_the_global_batch_and_keeps_evalua
         alone = trainer.model(**pad([data[index]])).logits[0]
         assert torch.allclose(torch.as_tensor(predictions[index, : len(data[index]["input_ids"])]), alone, atol=1e-5)
 
+    trainer.args.eval_do_concat_batches = False  # predictions kept per batch: nothing to put back in order
+    assert isinstance(trainer._get_eval_sampler(data), SequentialSampler)
+    trainer.args.eval_do_concat_batches = True
     trainer.args.train_sampling_strategy = "random"
     assert isinstance(trainer._get_train_sampler(), RandomSampler)
     assert isinstance(trainer._get_eval_sampler(data), SequentialSampler)

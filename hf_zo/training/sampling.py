@@ -156,10 +156,11 @@ class ZOSamplingMixin:
     def _get_eval_sampler(self, eval_dataset):
         """With `train_sampling_strategy="group_by_length"` on one process, a :class:`LengthSortedSampler` (as
         `Trainer` groups evaluation batches under that strategy, but in a fixed order that
-        :meth:`evaluation_loop` undoes); otherwise the data set's order (several processes: Accelerate shards it)."""
+        :meth:`evaluation_loop` undoes); otherwise, or with `eval_do_concat_batches=False` (predictions kept as
+        one array per batch), the data set's order (several processes: Accelerate shards it)."""
         if eval_dataset is None or not has_length(eval_dataset) or self.args.world_size > 1:
             return None
-        if self.args.train_sampling_strategy == "group_by_length":
+        if self.args.train_sampling_strategy == "group_by_length" and self.args.eval_do_concat_batches:
             input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
             lengths = example_lengths(eval_dataset, self.args.length_column_name, input_name[0])
             if lengths is not None:
