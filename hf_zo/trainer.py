@@ -252,14 +252,19 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
             self.args,
             self.zo_plugin.setup(),
             train_dataset=self.train_dataset,
-            # Sharded over the processes like evaluation, but not cached: `get_eval_dataloader` would store this
-            # loader as the one `evaluate()` reuses when `dataloader_persistent_workers` is set.
-            probe_dataloader=self.get_test_dataloader,
+            probe_dataloader=self._probe_dataloader,
             gather=self.accelerator.gather_for_metrics if self.args.world_size > 1 else None,
             show_progress=not self.args.disable_tqdm and self.is_local_process_zero(),
             resume_from_checkpoint=resume_from_checkpoint,
             fit_probe=fit_probe,
         )
+
+    def _probe_dataloader(self, examples):
+        """The linear probe's batches: sharded over the processes like evaluation, in the order the probe gave its
+        examples (the same in every layout), and not cached (`get_eval_dataloader` would store this loader as the
+        one `evaluate()` reuses when `dataloader_persistent_workers` is set)."""
+        with self.in_dataset_order():
+            return self.get_test_dataloader(examples)
 
     def evaluate(self, *args, **kwargs):
         """`Trainer.evaluate` on the true (flushed) weights."""

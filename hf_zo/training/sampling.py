@@ -11,6 +11,7 @@ in the data set's order, and 26,720 sorted by length (:class:`LengthSortedSample
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -157,15 +158,28 @@ class ZOSamplingMixin:
         """With `train_sampling_strategy="group_by_length"` on one process, a :class:`LengthSortedSampler` (as
         `Trainer` groups evaluation batches under that strategy, but in a fixed order that
         :meth:`evaluation_loop` undoes); otherwise, or with `eval_do_concat_batches=False` (predictions kept as
-        one array per batch), the data set's order (several processes: Accelerate shards it)."""
+        one array per batch) or within :meth:`in_dataset_order`, the data set's order (several processes:
+        Accelerate shards it)."""
         if eval_dataset is None or not has_length(eval_dataset) or self.args.world_size > 1:
             return None
-        if self.args.train_sampling_strategy == "group_by_length" and self.args.eval_do_concat_batches:
+        in_order = getattr(self, "_zo_in_dataset_order", False) or not self.args.eval_do_concat_batches
+        if self.args.train_sampling_strategy == "group_by_length" and not in_order:
             input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
             lengths = example_lengths(eval_dataset, self.args.length_column_name, input_name[0])
             if lengths is not None:
                 return LengthSortedSampler(lengths)
         return SequentialSampler(eval_dataset)
+
+    @contextlib.contextmanager
+    def in_dataset_order(self):
+        """Within it, the evaluation and test dataloaders built keep the data set's order on one process, as they do
+        on several: the linear probe orders its examples itself and must collect them in the same order in every
+        layout, so that one process and a distributed run fit the same head bit for bit."""
+        self._zo_in_dataset_order = True
+        try:
+            yield
+        finally:
+            self._zo_in_dataset_order = False
 
     def evaluation_loop(self, dataloader, *args, **kwargs):
         """`Trainer.evaluation_loop`, whose predictions and labels come back in the data set's order when the
