@@ -252,18 +252,18 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
             self.args,
             self.zo_plugin.setup(),
             train_dataset=self.train_dataset,
-            probe_dataloader=self._probe_dataloader,
+            probe_dataloader=self._zo_probe_dataloader,
             gather=self.accelerator.gather_for_metrics if self.args.world_size > 1 else None,
             show_progress=not self.args.disable_tqdm and self.is_local_process_zero(),
             resume_from_checkpoint=resume_from_checkpoint,
             fit_probe=fit_probe,
         )
 
-    def _probe_dataloader(self, examples):
+    def _zo_probe_dataloader(self, examples):
         """The linear probe's batches: sharded over the processes like evaluation, in the order the probe gave its
         examples (the same in every layout), and not cached (`get_eval_dataloader` would store this loader as the
         one `evaluate()` reuses when `dataloader_persistent_workers` is set)."""
-        with self.in_dataset_order():
+        with self.zo_in_dataset_order():
             return self.get_test_dataloader(examples)
 
     def evaluate(self, *args, **kwargs):

@@ -66,7 +66,7 @@ def test_zo_trainer_groups_training_batches_by_the_global_batch_and_keeps_evalua
         alone = trainer.model(**pad([data[index]])).logits[0]
         assert torch.allclose(torch.as_tensor(predictions[index, : len(data[index]["input_ids"])]), alone, atol=1e-5)
 
-    probe_batches = trainer._probe_dataloader(data)  # the linear probe's loader keeps the order it is given
+    probe_batches = trainer._zo_probe_dataloader(data)  # the linear probe's loader keeps the order it is given
     assert isinstance(probe_batches.batch_sampler.sampler, SequentialSampler)
     assert isinstance(trainer._get_eval_sampler(data), LengthSortedSampler)  # and evaluation sorts again after it
     trainer.args.eval_do_concat_batches = False  # predictions kept per batch: nothing to put back in order

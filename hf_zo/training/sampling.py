@@ -158,7 +158,7 @@ class ZOSamplingMixin:
         """With `train_sampling_strategy="group_by_length"` on one process, a :class:`LengthSortedSampler` (as
         `Trainer` groups evaluation batches under that strategy, but in a fixed order that
         :meth:`evaluation_loop` undoes); otherwise, or with `eval_do_concat_batches=False` (predictions kept as
-        one array per batch) or within :meth:`in_dataset_order`, the data set's order (several processes:
+        one array per batch) or within :meth:`zo_in_dataset_order`, the data set's order (several processes:
         Accelerate shards it)."""
         if eval_dataset is None or not has_length(eval_dataset) or self.args.world_size > 1:
             return None
@@ -171,7 +171,7 @@ class ZOSamplingMixin:
         return SequentialSampler(eval_dataset)
 
     @contextlib.contextmanager
-    def in_dataset_order(self):
+    def zo_in_dataset_order(self):
         """Within it, the evaluation and test dataloaders built keep the data set's order on one process, as they do
         on several: the linear probe orders its examples itself and must collect them in the same order in every
         layout, so that one process and a distributed run fit the same head bit for bit."""
