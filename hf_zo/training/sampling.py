@@ -141,18 +141,25 @@ class ZOSamplingMixin:
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.train_sampling_strategy != "group_by_length" or dataset is None or not has_length(dataset):
             return super()._get_train_sampler(train_dataset)
-        input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
-        lengths = example_lengths(dataset, self.args.length_column_name, input_name[0])
+        lengths = self._zo_example_lengths(dataset)
         if lengths is None:
             logger.warning(
                 "train_sampling_strategy='group_by_length' (ZOConfig's default) needs each training example's "
-                f"length: a '{self.args.length_column_name}' column or '{input_name[0]}' in every example, which "
-                f"this {type(dataset).__name__} lacks. Batches are drawn at random instead; set "
+                f"length: a '{self.args.length_column_name}' column or '{self._zo_input_name()}' in every example, "
+                f"which this {type(dataset).__name__} lacks. Batches are drawn at random instead; set "
                 "train_sampling_strategy='random' to silence this, or add the column."
             )
             return RandomSampler(dataset)
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         return self.zo_sampler_epoch.build_sampler(lengths, self.get_total_train_batch_size(self.args), seed)
+
+    def _zo_input_name(self) -> str:
+        """The model input whose length counts: the tokenizer's first input, else ``input_ids``."""
+        return (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
+
+    def _zo_example_lengths(self, dataset) -> list[int] | None:
+        """Each example's length (:func:`~hf_zo.heads.example_lengths`), or `None` when it cannot be read."""
+        return example_lengths(dataset, self.args.length_column_name, self._zo_input_name())
 
     def _get_eval_sampler(self, eval_dataset):
         """With `train_sampling_strategy="group_by_length"` on one process, a :class:`LengthSortedSampler` (as
@@ -164,8 +171,7 @@ class ZOSamplingMixin:
             return None
         in_order = getattr(self, "_zo_in_dataset_order", False) or not self.args.eval_do_concat_batches
         if self.args.train_sampling_strategy == "group_by_length" and not in_order:
-            input_name = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
-            lengths = example_lengths(eval_dataset, self.args.length_column_name, input_name[0])
+            lengths = self._zo_example_lengths(eval_dataset)
             if lengths is not None:
                 return LengthSortedSampler(lengths)
         return SequentialSampler(eval_dataset)
