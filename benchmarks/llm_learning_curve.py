@@ -20,11 +20,14 @@ benchmarks/step_cost.py does).
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
 `transformers.Trainer`), `mezo_ln`, `adamw_ln` (PEFT's LN tuning: the 61 RMSNorm weights, 35,136 parameters,
-against LoRA's 460,800). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs. `--template mezo` (default)
-is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
-` negative`, ` positive`. The learning rate is constant unless `--set` says otherwise: `--set
-mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20
-minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
+against LoRA's 460,800), `mezo_lora_fa` (LoRA-FA: LoRA whose random down-projections A stay as initialised, only
+B trained: 184,320 parameters). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set
+mezo_lora.lora_target_modules='["q_proj"]'` chooses others). `--template mezo` (default) is MeZO's
+`{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
+` negative`, ` positive`; the others (`--zero_shot` compares them all) include questions put through the model's
+chat template (`chat_question`, ...), the label word the first token of the answer. The learning rate is constant
+unless `--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly
+to zero over 340 steps (about 20 minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
 """
 
 from __future__ import annotations
@@ -54,7 +57,36 @@ from hf_zo.prompts import PromptClassification  # noqa: E402
 TEMPLATES = {
     "mezo": ("{sentence} It was", (" terrible", " great")),
     "review": ("Review: {sentence}\nSentiment:", (" negative", " positive")),
+    "movie_review": ("Movie review: {sentence}\nSentiment:", (" negative", " positive")),
+    "sentence": ("Sentence: {sentence}\nSentiment:", (" negative", " positive")),
+    "review_question": (
+        "Review: {sentence}\nIs this review positive or negative?\nAnswer:",
+        (" negative", " positive"),
+    ),
 }
+# User turns rendered through the model's chat template (its default system prompt), the label word the answer's
+# first token: the instruct model asked as it was tuned to be asked.
+CHAT_QUESTIONS = {
+    "chat_question": "Is this movie review positive or negative?\n{sentence}",
+    "chat_review": "Review: {sentence}\nIs this review positive or negative? Answer with one word.",
+    "chat_sentiment": "What is the sentiment of this movie review, positive or negative?\n{sentence}",
+}
+
+
+def templates(tokenizer) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every template by name: :data:`TEMPLATES`, and :data:`CHAT_QUESTIONS` through `tokenizer`'s chat template."""
+    chat = {
+        name: (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+            ),
+            ("negative", "positive"),
+        )
+        for name, question in CHAT_QUESTIONS.items()
+    }
+    return {**TEMPLATES, **chat}
+
+
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 
 # name: what is trained ("lora" or "full"), by whom ("zo" or "adamw"), and the ZOConfig / TrainingArguments fields
@@ -78,6 +110,13 @@ VARIANTS: dict[str, dict] = {
         "zo_eps": 1e-3,
     },
     "mezo_lora": {"method": "lora", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 2e-3, "zo_eps": 1e-2},
+    "mezo_lora_fa": {
+        "method": "lora_fa",
+        "trainer": "zo",
+        "zo_optimizer": "zo_sgd",
+        "learning_rate": 2e-3,
+        "zo_eps": 1e-2,
+    },
     "mezo_full": {"method": "full", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-6, "zo_eps": 1e-3},
     "mezo_ln": {"method": "ln", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 3e-3, "zo_eps": 1e-3},
     "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
@@ -91,7 +130,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
     parser.add_argument("--variants", default="fzoo_lora", help=f"Comma-separated subset of {list(VARIANTS)}.")
-    parser.add_argument("--template", default="mezo", choices=list(TEMPLATES), help="The prompt and label words.")
+    parser.add_argument(
+        "--template", default="mezo", choices=[*TEMPLATES, *CHAT_QUESTIONS], help="The prompt and label words."
+    )
     parser.add_argument("--loss", default="classification", choices=["classification", "lm"])
     parser.add_argument(
         "--set", nargs="*", default=[], help="Overrides, e.g. fzoo_lora.learning_rate=3e-5 (JSON, else a string)."
@@ -137,12 +178,17 @@ def load_sst2(options: argparse.Namespace):
     return train.select(range(options.num_train)), raw["validation"], "SST-2 validation (872)"
 
 
-def build_model(path: str, method: str):
+def build_model(path: str, method: str, lora_target_modules: list[str] | None = None):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model
 
-    if method == "lora":
-        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **LORA))
+    if method in ("lora", "lora_fa"):
+        lora = {**LORA, "target_modules": lora_target_modules or LORA["target_modules"]}
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **lora))
+        if method == "lora_fa":  # LoRA-FA: the random down-projections A stay as initialised, only B is trained
+            for name, param in model.named_parameters():
+                if "lora_A" in name:
+                    param.requires_grad_(False)
     elif method == "ln":
         config = LNTuningConfig(task_type=TaskType.CAUSAL_LM, target_modules=norm_module_names(model))
         model = get_peft_model(model, config)
@@ -150,7 +196,7 @@ def build_model(path: str, method: str):
 
 
 def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, train, evaluation) -> Trainer:
-    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer")}
+    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer", "lora_target_modules")}
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="hf_zo_llm_curve_"),
         max_steps=10**6,
@@ -165,7 +211,7 @@ def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, tr
         label_names=["labels"],
     )
     common.update(fields)  # the variant's fields and `--set` override the shared ones
-    model = build_model(options.model, spec["method"])
+    model = build_model(options.model, spec["method"], spec.get("lora_target_modules"))
     kwargs = dict(
         model=model,
         train_dataset=train,
@@ -225,15 +271,25 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
 
 
 def zero_shot(options, tokenizer, evaluation) -> None:
-    """Each template's zero-shot accuracy on the evaluation set (to choose a template on held-out sentences)."""
+    """Each template's zero-shot accuracy on the evaluation set (to choose a template on held-out sentences), and
+    its accuracy at the best threshold on the difference of the two label words' scores (what calibration alone
+    could reach)."""
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     labels = torch.tensor(evaluation["label"])
-    for name, (template, words) in TEMPLATES.items():
+    for name, (template, words) in templates(tokenizer).items():
         task = PromptClassification(tokenizer, template, words)
         start = time.perf_counter()
         scores = task.predict_scores(model, task.tokenize(evaluation), batch_size=32)
+        seconds = time.perf_counter() - start
         accuracy = float((scores.argmax(-1) == labels).float().mean())
-        result = {"template": name, "accuracy": round(accuracy, 4), "seconds": round(time.perf_counter() - start, 1)}
+        margin = scores[:, 1] - scores[:, 0]  # positive minus negative
+        calibrated = max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+        result = {
+            "template": name,
+            "accuracy": round(accuracy, 4),
+            "best_threshold_accuracy": round(calibrated, 4),
+            "seconds": round(seconds, 1),
+        }
         print(json.dumps(result), flush=True)
 
 
@@ -278,11 +334,13 @@ def step_cost(name: str, spec: dict, options, tokenizer, task, train, steps: int
 
 
 def schedule(result: dict) -> str:
-    """The run's learning rate and schedule, e.g. "lr 2e-3 constant" or "lr 2e-3 linear over 340 steps"."""
+    """The run's learning rate and schedule, e.g. "lr 2e-3 constant" or "lr 2e-3 linear over 340 steps", and its
+    LoRA modules where they are not the default q_proj and v_proj ("lr 0.008 constant, LoRA on q_proj")."""
     spec = result["spec"]
     kind = spec.get("lr_scheduler_type", "constant")
     over = f" over {spec['max_steps']} steps" if kind != "constant" and "max_steps" in spec else ""
-    return f"lr {spec['learning_rate']:g} {kind}{over}"
+    modules = f", LoRA on {'+'.join(spec['lora_target_modules'])}" if spec.get("lora_target_modules") else ""
+    return f"lr {spec['learning_rate']:g} {kind}{over}{modules}"
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -365,7 +423,7 @@ def main() -> None:
             variants[name][field] = json.loads(value)
         except json.JSONDecodeError:  # a bare string, e.g. train_sampling_strategy=group_by_length
             variants[name][field] = value
-    template, words = TEMPLATES[options.template]
+    template, words = templates(tokenizer)[options.template]
     task = PromptClassification(tokenizer, template, words, loss=options.loss)
     train, evaluation = task.tokenize(train), task.tokenize(evaluation)
     if options.step_cost:
