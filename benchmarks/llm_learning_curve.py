@@ -146,8 +146,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
     parser.add_argument("--step_cost", action="store_true", help="Only measure each ZO step in forwards.")
-    parser.add_argument("--output", default="docs/images/llm_learning_curve.json", help="Where the JSON goes.")
-    parser.add_argument("--figure", default="docs/images/llm_learning_curve.png", help="Where the figure goes.")
+    parser.add_argument("--output", default="llm_learning_curve.json", help="Where the JSON goes.")
+    parser.add_argument(
+        "--figure", default=None, help="Where the figure goes (default: beside --output, with the suffix .png)."
+    )
     parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
     return parser.parse_args()
 
@@ -391,6 +393,7 @@ def table(results: list[dict]) -> str:
 
 
 def write(options, results: list[dict], title: str) -> None:
+    options.figure = options.figure or os.path.splitext(options.output)[0] + ".png"
     for path in (options.output, options.figure):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(options.output, "w") as file:
