@@ -13,8 +13,8 @@ HEADER = """# API reference
 
 Every public object of hf_zo, by module, with its signature and what it is for. The objects re-exported by
 `import hf_zo` are: `ZOConfig`, `ZOTrainer`, the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
-`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `HiZOO`, `FZOO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder classifier
-(`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the estimator
+`ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `HiZOO`, `FZOO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder
+classifier (`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the estimator
 (`ZORecord`, `LazyParameters`, `SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`,
 `restore_and_update_`) and the trajectory API (`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`,
 `replay`, `push_trajectory_to_hub`, `TRAJECTORY_NAME`, `TrajectoryFormatError`, `TrajectoryMismatchError`).
