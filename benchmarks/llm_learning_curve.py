@@ -19,15 +19,17 @@ benchmarks/step_cost.py does).
 
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
-`transformers.Trainer`), `mezo_ln`, `adamw_ln` (PEFT's LN tuning: the 61 RMSNorm weights, 35,136 parameters,
-against LoRA's 460,800), `mezo_lora_fa` (LoRA-FA: LoRA whose random down-projections A stay as initialised, only
-B trained: 184,320 parameters). LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set
-mezo_lora.lora_target_modules='["q_proj"]'` chooses others). `--template mezo` (default) is MeZO's
-`{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` /
-` negative`, ` positive`; the others (`--zero_shot` compares them all) include questions put through the model's
-chat template (`chat_question`, ...), the label word the first token of the answer. The learning rate is constant
-unless `--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly
-to zero over 340 steps (about 20 minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
+`transformers.Trainer`), `mezo_ln`, `adamw_ln` (PEFT's LN tuning: the 61 RMSNorm weights, 35,136 parameters, against
+LoRA's 460,800), `mezo_lora_fa` (LoRA-FA: LoRA whose random down-projections A stay as initialised, only B trained:
+184,320 parameters), `mezo_defaults` (the library's defaults for a prompt task on a causal LM: LoRA on
+`hf_zo.training.prompt_lora_target_modules`, MeZO's ZO-SGD, the learning rate and eps `ZOConfig` fills in). LoRA: r
+8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora.lora_target_modules='["q_proj"]'` chooses
+others). `--template mezo` (default) is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is
+`Review: {sentence}\\nSentiment:` / ` negative`, ` positive`; the others (`--zero_shot` compares them all) include
+questions put through the model's chat template (`chat_question`, ...), the label word the first token of the
+answer. The learning rate is constant unless `--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear
+mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20 minutes of MeZO on LoRA here), as
+`Trainer` does by default over `max_steps`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.metrics import build_compute_metrics  # noqa: E402
 from hf_zo.models import embedded_llm_path, norm_module_names  # noqa: E402
 from hf_zo.prompts import PromptClassification  # noqa: E402
+from hf_zo.training import prompt_lora_target_modules  # noqa: E402
+from hf_zo.training.defaults import lora_target_names  # noqa: E402
 
 TEMPLATES = {
     "mezo": ("{sentence} It was", (" terrible", " great")),
@@ -117,6 +121,7 @@ VARIANTS: dict[str, dict] = {
         "learning_rate": 2e-3,
         "zo_eps": 1e-2,
     },
+    "mezo_defaults": {"method": "lora_prompt_default", "trainer": "zo"},
     "mezo_full": {"method": "full", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-6, "zo_eps": 1e-3},
     "mezo_ln": {"method": "ln", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 3e-3, "zo_eps": 1e-3},
     "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
@@ -184,7 +189,9 @@ def build_model(path: str, method: str, lora_target_modules: list[str] | None = 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model
 
-    if method in ("lora", "lora_fa"):
+    if method == "lora_prompt_default":  # LoRA as examples/train.py builds it for a prompt task on a causal LM
+        lora_target_modules = prompt_lora_target_modules(model)
+    if method in ("lora", "lora_fa", "lora_prompt_default"):
         lora = {**LORA, "target_modules": lora_target_modules or LORA["target_modules"]}
         model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **lora))
         if method == "lora_fa":  # LoRA-FA: the random down-projections A stay as initialised, only B is trained
@@ -255,6 +262,9 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
         trainer.train()
     curve = budget.curve
     steps = trainer.state.global_step
+    spec = {**spec, "learning_rate": trainer.args.learning_rate}  # the library's default where the variant left it
+    if spec["method"] == "lora_prompt_default":
+        spec.update(zo_eps=trainer.args.zo_eps, lora_target_modules=sorted(lora_target_names(trainer.model)))
     return {
         "variant": name,
         "spec": spec,

@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
         "--peft", default="lora", choices=["lora", "ln"], help="LoRA r 8 on q/v, or LN tuning (every RMSNorm)."
     )
     parser.add_argument(
+        "--lora_target_modules", nargs="+", default=["q_proj", "v_proj"], help="The modules LoRA adapts."
+    )
+    parser.add_argument(
         "--system_prompt",
         default=None,
         help="A system turn before each question ('' for an empty one); default: none, so the chat template adds "
@@ -198,7 +201,7 @@ def build_trainer(options, tokenizer, train):
         model_init_kwargs={"dtype": torch.float32},
     )
     if options.peft == "lora":
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
     else:
         norms = norm_module_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(options.model)))
         peft_config = LNTuningConfig(target_modules=norms, task_type="CAUSAL_LM")
@@ -254,6 +257,7 @@ def run(options) -> dict:
         "zo_eps": getattr(trainer.args, "zo_eps", None),
         "batch": options.batch_size,
         "peft": options.peft,
+        "lora_target_modules": options.lora_target_modules if options.peft == "lora" else None,
         "system_prompt": options.system_prompt,
         "steps": steps,
         "train_seconds": round(budget.seconds, 1),

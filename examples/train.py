@@ -62,6 +62,7 @@ from hf_zo.metrics import build_compute_metrics
 from hf_zo.models import norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
 from hf_zo.prompts import PROMPT_LOSSES, PROMPT_TASKS, PromptClassification, PromptTask
+from hf_zo.training import prompt_lora_target_modules
 from hf_zo.training.checkpointing import saved_run_files
 
 ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on every run: nothing to act on
@@ -97,7 +98,11 @@ class ModelArguments:
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (ZO forwards run in eval mode)."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "LoRA target modules (default: PEFT's choice for the architecture)."}
+        default=None,
+        metadata={
+            "help": "LoRA target modules (default: q_proj for a prompt task on a causal LM that has it, "
+            "hf_zo.training.PROMPT_LORA_TARGET_MODULES; else PEFT's choice for the architecture)."
+        },
     )
     num_virtual_tokens: int = field(default=10, metadata={"help": "Virtual tokens of prefix and prompt tuning."})
     prompt_init_text: str | None = field(
@@ -348,6 +353,8 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
         if target_modules is None and isinstance(model.config, PooledEncoderConfig):
             # PEFT picks LoRA's targets by model type; a pooled encoder's are those of its encoder.
             target_modules = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.encoder.model_type)
+        if target_modules is None and task_type == "prompt_classification":
+            target_modules = prompt_lora_target_modules(model)
         module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         unknown = [name for name in target_modules or () if name not in module_names]
         if unknown:

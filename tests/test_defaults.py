@@ -11,7 +11,13 @@ from peft import IA3Config, LNTuningConfig, LoraConfig, PrefixTuningConfig, Task
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.models import norm_module_names
 from hf_zo.prompts import PromptClassification
-from hf_zo.training import LABEL_WORD_METHOD_DEFAULTS, METHOD_DEFAULTS, trained_method
+from hf_zo.training import (
+    LABEL_WORD_LORA_TARGET_DEFAULTS,
+    LABEL_WORD_METHOD_DEFAULTS,
+    METHOD_DEFAULTS,
+    prompt_lora_target_modules,
+    trained_method,
+)
 
 from tiny_models import lm_dataset, tiny_causal_lm
 
@@ -20,9 +26,9 @@ def _config(tmp_path, **overrides) -> ZOConfig:
     return ZOConfig(output_dir=str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True, use_cpu=True, **overrides)
 
 
-def _lora():
+def _lora(target_modules=("q_proj",)):
     return get_peft_model(
-        tiny_causal_lm("opt"), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj"])
+        tiny_causal_lm("opt"), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=list(target_modules))
     )
 
 
@@ -70,10 +76,18 @@ def test_unset_learning_rate_and_eps_come_from_the_trained_method(tmp_path, buil
     assert args.learning_rate is None and args.zo_eps is None  # the caller's config can serve another model
 
 
-@pytest.mark.parametrize("loss, expected", [("classification", (2e-3, 1e-2)), ("lm", (1e-4, 1e-2))])
-def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, expected):
-    """Prompt classification's label-word cross-entropy: 2e-3 (measured on the embedded LLM); its full-vocabulary
-    variant keeps MeZO's LoRA grid, as every other loss does."""
+@pytest.mark.parametrize(
+    "loss, target_modules, expected",
+    [
+        ("classification", ["q_proj"], (8e-3, 1e-2)),
+        ("classification", ["q_proj", "v_proj"], (2e-3, 1e-2)),
+        ("lm", ["q_proj"], (1e-4, 1e-2)),
+    ],
+    ids=["label-words-q", "label-words-q-v", "lm-loss"],
+)
+def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, target_modules, expected):
+    """Prompt classification's label-word cross-entropy: 8e-3 for LoRA on q_proj alone, 2e-3 on other modules (both
+    measured on the embedded LLM); its full-vocabulary variant keeps MeZO's LoRA grid, as every other loss does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,9 +96,17 @@ def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, expe
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>")
     task = PromptClassification(tokenizer, "{sentence} it", [" bad", " good"], loss=loss)
     data = task.tokenize(Dataset.from_dict({"sentence": ["good", "bad"], "label": [1, 0]}))
-    trainer = ZOTrainer(model=_lora(), args=_config(tmp_path), train_dataset=data, **task.trainer_kwargs())
+    model = _lora(target_modules)
+    trainer = ZOTrainer(model=model, args=_config(tmp_path), train_dataset=data, **task.trainer_kwargs())
     assert (trainer.args.learning_rate, trainer.args.zo_eps) == expected
     assert LABEL_WORD_METHOD_DEFAULTS["lora"].learning_rate == 2e-3
+    assert LABEL_WORD_LORA_TARGET_DEFAULTS[frozenset({"q_proj"})].learning_rate == 8e-3
+
+
+def test_prompt_tasks_adapt_the_query_projections_where_the_model_has_them():
+    """LoRA's default targets for a prompt task: q_proj on a causal LM that names it, PEFT's choice elsewhere."""
+    assert prompt_lora_target_modules(tiny_causal_lm("opt")) == ["q_proj"]
+    assert prompt_lora_target_modules(tiny_causal_lm("gpt2")) is None  # a fused c_attn: PEFT's choice
 
 
 def test_fzoo_takes_its_own_scale_and_refuses_a_method_it_was_not_measured_on(tmp_path):
@@ -108,7 +130,7 @@ def test_values_the_user_set_are_kept(tmp_path):
 
 
 def test_a_model_from_model_init_gets_its_defaults_when_training_starts(tmp_path):
-    trainer = ZOTrainer(model_init=_lora, args=_config(tmp_path), train_dataset=lm_dataset(4))
+    trainer = ZOTrainer(model_init=lambda: _lora(), args=_config(tmp_path), train_dataset=lm_dataset(4))
     trainer.train()
     lora = METHOD_DEFAULTS["lora"]
     assert trainer.args.learning_rate == lora.learning_rate

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
+from hf_zo.training.defaults import lora_target_names
+
 from tiny_models import VOCAB, tiny_bert_classifier, tiny_causal_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,6 +131,9 @@ def test_train_save_reload_evaluate(workspace, tmp_path, kind, peft):
     if kind == "prompt_classification":
         assert trainer.compute_loss_func.__self__.label_words == (" terrible", " great")
         assert trainer.model.config.architectures == ["OPTForCausalLM"]
+    if peft == "lora" and kind != "classification":  # a prompt task adapts q_proj alone, PEFT's choice otherwise
+        expected = {"q_proj"} if kind == "prompt_classification" else {"q_proj", "v_proj"}
+        assert lora_target_names(trainer.model) == expected
     if kind == "classification":
         assert trainer.zo_heads.names  # the default head options applied to the new head
 

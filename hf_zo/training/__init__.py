@@ -6,11 +6,14 @@ examples (`sampling`) and the placement of model and data under the distributed 
 
 from .config import HEAD_INIT_CHOICES, HEAD_TRAINING_CHOICES, ZOConfig
 from .defaults import (
+    LABEL_WORD_LORA_TARGET_DEFAULTS,
     LABEL_WORD_METHOD_DEFAULTS,
     METHOD_DEFAULTS,
     OPTIMIZER_METHOD_DEFAULTS,
+    PROMPT_LORA_TARGET_MODULES,
     MethodDefaults,
     fill_method_defaults,
+    prompt_lora_target_modules,
     trained_method,
 )
 from .sampling import LengthSortedSampler, SamplerEpochCallback, ZOLengthGroupedSampler
@@ -18,14 +21,17 @@ from .sampling import LengthSortedSampler, SamplerEpochCallback, ZOLengthGrouped
 __all__ = [
     "HEAD_INIT_CHOICES",
     "HEAD_TRAINING_CHOICES",
+    "LABEL_WORD_LORA_TARGET_DEFAULTS",
     "LABEL_WORD_METHOD_DEFAULTS",
     "LengthSortedSampler",
     "METHOD_DEFAULTS",
     "OPTIMIZER_METHOD_DEFAULTS",
+    "PROMPT_LORA_TARGET_MODULES",
     "MethodDefaults",
     "SamplerEpochCallback",
     "ZOConfig",
     "ZOLengthGroupedSampler",
     "fill_method_defaults",
+    "prompt_lora_target_modules",
     "trained_method",
 ]

@@ -16,11 +16,15 @@ from ..prompts import PromptClassification
 logger = logging.get_logger(__name__)
 
 __all__ = [
+    "LABEL_WORD_LORA_TARGET_DEFAULTS",
     "LABEL_WORD_METHOD_DEFAULTS",
     "METHOD_DEFAULTS",
     "OPTIMIZER_METHOD_DEFAULTS",
     "MethodDefaults",
+    "PROMPT_LORA_TARGET_MODULES",
     "fill_method_defaults",
+    "lora_target_names",
+    "prompt_lora_target_modules",
     "trains_label_words",
     "trained_method",
 ]
@@ -55,6 +59,24 @@ LABEL_WORD_METHOD_DEFAULTS: dict[str, MethodDefaults] = {
 (`hf_zo.prompts.PromptClassification` with ``loss="classification"``, MeZO's prompt-based classification), where
 they differ from :data:`METHOD_DEFAULTS`: on the embedded LLM, LoRA learns nothing in minutes at MeZO's 1e-4 there,
 while the same 2e-3 on the full-vocabulary loss of SFT diverged within 50 steps (docs/trl.md)."""
+
+LABEL_WORD_LORA_TARGET_DEFAULTS: dict[frozenset[str], MethodDefaults] = {
+    frozenset({"q_proj"}): MethodDefaults(
+        8e-3,
+        1e-2,
+        "measured on SmolLM2-135M-Instruct, LoRA r 8 on q_proj alone, SST-2 prompts (docs/accuracy.md): the query "
+        "projections carry 3x the gradient signal against their noise of q and v together, so their step can be 4x "
+        "longer; 8e-3 on q and v together diverges",
+    ),
+}
+"""Label-word defaults for LoRA by the modules it adapts (their names without the layer path), where they differ from
+:data:`LABEL_WORD_METHOD_DEFAULTS`' LoRA entry: the ZO step a LoRA adapter takes depends on which weights it
+perturbs, not only on how many."""
+
+PROMPT_LORA_TARGET_MODULES = ("q_proj",)
+"""LoRA's default targets for a prompt task on a causal LM (:func:`prompt_lora_target_modules`): the attention's query
+projections, the weights whose ZO estimate had the best signal against its noise on the embedded LLM
+(benchmarks/llm_zo_targets.py, docs/accuracy.md)."""
 
 OPTIMIZER_METHOD_DEFAULTS: dict[str, dict[str, MethodDefaults]] = {
     "fzoo": {
@@ -97,6 +119,22 @@ def trained_method(model: nn.Module) -> str:
     return _PEFT_METHODS[peft_type]
 
 
+def lora_target_names(model: nn.Module) -> frozenset[str]:
+    """The names (without the layer path, e.g. ``"q_proj"``) of the modules that carry `model`'s LoRA layers."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = (name for name, module in model.named_modules() if isinstance(module, LoraLayer))
+    return frozenset(name.rsplit(".", 1)[-1] for name in adapted)
+
+
+def prompt_lora_target_modules(model: nn.Module) -> list[str] | None:
+    """LoRA's `target_modules` for a prompt task on the causal LM `model`: :data:`PROMPT_LORA_TARGET_MODULES` when
+    `model` has modules of those names (Llama, Mistral, Qwen, OPT, ...), else ``None`` (PEFT's choice for the
+    architecture)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return list(PROMPT_LORA_TARGET_MODULES) if names.issuperset(PROMPT_LORA_TARGET_MODULES) else None
+
+
 def trains_label_words(compute_loss_func) -> bool:
     """Whether `compute_loss_func` (a `Trainer`'s) is the label-word cross-entropy of a `PromptClassification`."""
     task = getattr(compute_loss_func, "__self__", None)
@@ -107,10 +145,9 @@ def fill_method_defaults(args, model: nn.Module, compute_loss_func=None) -> None
     """Set `args.learning_rate` and `args.zo_eps` that are ``None`` to the defaults of what `model` trains.
 
     The order: the optimizer's own measured defaults (:data:`OPTIMIZER_METHOD_DEFAULTS`), those for the label-word
-    loss of prompt classification when `compute_loss_func` is it (:data:`LABEL_WORD_METHOD_DEFAULTS`), those of the
-    method. Values the user set are kept; the ones filled in are
-    logged, and later logs, checkpoints and trajectories
-    carry them like set values.
+    loss of prompt classification when `compute_loss_func` is it (:data:`LABEL_WORD_LORA_TARGET_DEFAULTS` for LoRA
+    on the modules it names, else :data:`LABEL_WORD_METHOD_DEFAULTS`), those of the method. Values the user set are
+    kept; the ones filled in are logged, and later logs, checkpoints and trajectories carry them like set values.
     """
     unset = [name for name in ("learning_rate", "zo_eps") if getattr(args, name) is None]
     if not unset:
@@ -119,6 +156,8 @@ def fill_method_defaults(args, model: nn.Module, compute_loss_func=None) -> None
     defaults = METHOD_DEFAULTS[method]
     if method in LABEL_WORD_METHOD_DEFAULTS and trains_label_words(compute_loss_func):
         defaults = LABEL_WORD_METHOD_DEFAULTS[method]
+        if method == "lora":
+            defaults = LABEL_WORD_LORA_TARGET_DEFAULTS.get(lora_target_names(model), defaults)
     optimizer = getattr(args, "zo_optimizer", None)
     if optimizer in OPTIMIZER_METHOD_DEFAULTS:
         measured = OPTIMIZER_METHOD_DEFAULTS[optimizer]
