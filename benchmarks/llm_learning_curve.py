@@ -12,7 +12,8 @@ process, then merge (the figure and the table of docs/accuracy.md)::
         --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
 
 `--heldout N` evaluates on N sentences held out of the training set instead (to choose settings without touching
-the validation set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set;
+the validation set; `--heldout_min_words 12` holds out sentences as long as validation's, not the short phrases that
+make up most of the training set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set;
 `--step_cost` only measures what a ZO step of each variant costs in forwards of the same batch (one batch of
 training prompts, trained on again and again; each step paired with the forward timed right after it, as
 benchmarks/step_cost.py does).
@@ -67,6 +68,11 @@ TEMPLATES = {
         "Review: {sentence}\nIs this review positive or negative?\nAnswer:",
         (" negative", " positive"),
     ),
+    "review_good_bad": ("Review: {sentence}\nSentiment:", (" bad", " good")),
+    "text": ("Text: {sentence}\nSentiment:", (" negative", " positive")),
+    "overall": ("{sentence} Overall, the movie was", (" bad", " good")),
+    "review_is": ("{sentence} The review is", (" negative", " positive")),
+    "quoted_review": ('Movie review: "{sentence}"\nThe sentiment of this review is', (" negative", " positive")),
 }
 # User turns rendered through the model's chat template (its default system prompt), the label word the answer's
 # first token: the instruct model asked as it was tuned to be asked.
@@ -147,6 +153,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
     parser.add_argument("--num_train", type=int, default=8192, help="Training sentences sampled from train.tsv.")
     parser.add_argument("--heldout", type=int, default=None, help="Evaluate on this many held-out training sentences.")
+    parser.add_argument(
+        "--heldout_min_words",
+        type=int,
+        default=0,
+        help="Hold out only training sentences of at least this many words (validation's are 19.5 words on average, "
+        "the training set's phrases 9.4: 12 gives a held-out slice that reads like validation).",
+    )
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
@@ -179,9 +192,12 @@ def load_sst2(options: argparse.Namespace):
     raw = read_sst2(options.data_dir)
     train = raw["train"].shuffle(seed=options.seed)
     if options.heldout:
-        evaluation = train.select(range(options.heldout))
-        train = train.select(range(options.heldout, options.heldout + options.num_train))
-        return train, evaluation, f"{options.heldout} held-out SST-2 training sentences"
+        words = [len(sentence.split()) for sentence in train["sentence"]]
+        held = [i for i, n in enumerate(words) if n >= options.heldout_min_words][: options.heldout]
+        rest = sorted(set(range(len(train))) - set(held))[: options.num_train]
+        longest = f" of at least {options.heldout_min_words} words" if options.heldout_min_words else ""
+        description = f"{options.heldout} held-out SST-2 training sentences{longest}"
+        return train.select(rest), train.select(held), description
     return train.select(range(options.num_train)), raw["validation"], "SST-2 validation (872)"
 
 
