@@ -79,14 +79,14 @@ def test_unset_learning_rate_and_eps_come_from_the_trained_method(tmp_path, buil
 @pytest.mark.parametrize(
     "loss, target_modules, expected",
     [
-        ("classification", ["q_proj"], (8e-3, 1e-2)),
+        ("classification", ["q_proj"], (4e-3, 1e-2)),
         ("classification", ["q_proj", "v_proj"], (2e-3, 1e-2)),
         ("lm", ["q_proj"], (1e-4, 1e-2)),
     ],
     ids=["label-words-q", "label-words-q-v", "lm-loss"],
 )
 def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, target_modules, expected):
-    """Prompt classification's label-word cross-entropy: 8e-3 for LoRA on q_proj alone, 2e-3 on other modules (both
+    """Prompt classification's label-word cross-entropy: 4e-3 for LoRA on q_proj alone, 2e-3 on other modules (both
     measured on the embedded LLM); its full-vocabulary variant keeps MeZO's LoRA grid, as every other loss does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -100,7 +100,7 @@ def test_lora_on_the_label_word_loss_takes_its_own_defaults(tmp_path, loss, targ
     trainer = ZOTrainer(model=model, args=_config(tmp_path), train_dataset=data, **task.trainer_kwargs())
     assert (trainer.args.learning_rate, trainer.args.zo_eps) == expected
     assert LABEL_WORD_METHOD_DEFAULTS["lora"].learning_rate == 2e-3
-    assert LABEL_WORD_LORA_TARGET_DEFAULTS[frozenset({"q_proj"})].learning_rate == 8e-3
+    assert LABEL_WORD_LORA_TARGET_DEFAULTS[frozenset({"q_proj"})].learning_rate == 4e-3
 
 
 def test_prompt_tasks_adapt_the_query_projections_where_the_model_has_them():

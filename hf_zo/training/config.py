@@ -182,7 +182,7 @@ class ZOConfig(TrainingArguments):
         learning_rate (`float`, *optional*):
             Default: by what the model trains (`hf_zo.training.defaults`), since ZO learning rates differ by orders of
             magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA (2e-3 on the label-word
-            loss of prompt classification, 8e-3 there for LoRA on `q_proj` alone), 1e-3 for prefix and prompt tuning,
+            loss of prompt classification, 4e-3 there for LoRA on `q_proj` alone), 1e-3 for prefix and prompt tuning,
             and 3e-4 for the norm layers (PEFT's LN tuning, measured on all-MiniLM-L6-v2).
             `ZOTrainer` fills it in (and `zo_eps`) when it gets the model; another PEFT method needs both set.
         max_grad_norm (`float`, defaults to `0.0`):
@@ -275,7 +275,7 @@ class ZOConfig(TrainingArguments):
     learning_rate: float | None = field(
         default=None,
         metadata={
-            "help": "ZO learning rate (default: by method: 1e-6 full, 1e-4 LoRA (2e-3 on label words, 8e-3 on q_proj "
+            "help": "ZO learning rate (default: by method: 1e-6 full, 1e-4 LoRA (2e-3 on label words, 4e-3 on q_proj "
             "alone), 3e-4 LN)."
         },
     )
