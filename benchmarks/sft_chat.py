@@ -13,8 +13,8 @@ system turn first (the template's default system prompt is 16 of a prompt's 52 t
     python benchmarks/sft_chat.py --variant trl --budget_minutes 10 --points 1 --output /tmp/sft_trl.json
     python benchmarks/sft_chat.py --merge /tmp/sft_zo.json /tmp/sft_trl.json --output docs/images/sft_chat.json
 
-`zo` is `hf_zo.ZOSFTTrainer` with `ZOSFTConfig` (MeZO's ZO-SGD; `--learning_rate` / `--zo_eps` override ZO's
-defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW, `--learning_rate`, default 2e-4). The two runs differ
+`zo` is `hf_zo.ZOSFTTrainer` with `ZOSFTConfig` (MeZO's ZO-SGD, or FZOO with `--zo_optimizer fzoo`;
+`--learning_rate` / `--zo_eps` override ZO's defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW, `--learning_rate`, default 2e-4). The two runs differ
 in the import and the config class only. Peak resident memory is measured over training and over inference
 forwards of the first training batches (the same batch shape); the training peak over the optimizer steps alone
 (the evaluations by generation, at batch 32, are left out of it; `process_peak_mib` has the whole of training).
@@ -50,6 +50,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variant", default="zo", choices=["zo", "trl"])
     parser.add_argument("--learning_rate", type=float, default=None, help="Default: ZO's default / 2e-4 for TRL.")
     parser.add_argument("--zo_eps", type=float, default=None, help="ZO only; default: ZO's default.")
+    parser.add_argument(
+        "--zo_optimizer",
+        default="zo_sgd",
+        choices=["zo_sgd", "fzoo"],
+        help="ZO only: MeZO's ZO-SGD, or FZOO (4 one-sided Rademacher perturbations, step normalised by their spread).",
+    )
     parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time.")
     parser.add_argument("--points", type=int, default=2, help="Evaluations after the zero-shot one, evenly in time.")
     parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
@@ -209,7 +215,9 @@ def build_trainer(options, tokenizer, train):
         from hf_zo import ZOSFTConfig as SFTConfig
         from hf_zo import ZOSFTTrainer as SFTTrainer
 
-        common.update(learning_rate=options.learning_rate, zo_eps=options.zo_eps)
+        common.update(learning_rate=options.learning_rate, zo_eps=options.zo_eps, zo_optimizer=options.zo_optimizer)
+        if options.zo_optimizer == "fzoo":  # as the paper runs it
+            common.update(zo_num_perturbations=4, zo_noise="rademacher")
     else:
         from trl import SFTConfig, SFTTrainer
 
@@ -255,6 +263,7 @@ def run(options) -> dict:
         "trainer": type(trainer).__name__,
         "learning_rate": trainer.args.learning_rate,
         "zo_eps": getattr(trainer.args, "zo_eps", None),
+        "zo_optimizer": getattr(trainer.args, "zo_optimizer", None),
         "batch": options.batch_size,
         "peft": options.peft,
         "lora_target_modules": options.lora_target_modules if options.peft == "lora" else None,
