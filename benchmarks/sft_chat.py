@@ -14,10 +14,11 @@ system turn first (the template's default system prompt is 16 of a prompt's 52 t
     python benchmarks/sft_chat.py --merge /tmp/sft_zo.json /tmp/sft_trl.json --output docs/images/sft_chat.json
 
 `zo` is `hf_zo.ZOSFTTrainer` with `ZOSFTConfig` (MeZO's ZO-SGD, or FZOO with `--zo_optimizer fzoo`;
-`--learning_rate` / `--zo_eps` override ZO's defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW, `--learning_rate`, default 2e-4). The two runs differ
-in the import and the config class only. Peak resident memory is measured over training and over inference
-forwards of the first training batches (the same batch shape); the training peak over the optimizer steps alone
-(the evaluations by generation, at batch 32, are left out of it; `process_peak_mib` has the whole of training).
+`--learning_rate` / `--zo_eps` override ZO's defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW,
+`--learning_rate`, default 2e-4). The two runs differ in the import and the config class only. Peak resident memory is
+measured over training and over inference forwards of the first training batches (the same batch shape); the training
+peak over the optimizer steps alone (the evaluations by generation, at batch 32, are left out of it; `process_peak_mib`
+has the whole of training).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
         "--zo_optimizer",
         default="zo_sgd",
         choices=["zo_sgd", "fzoo"],
-        help="ZO only: MeZO's ZO-SGD, or FZOO (4 one-sided Rademacher perturbations, step normalised by their spread).",
+        help="ZO only: MeZO's ZO-SGD, or FZOO (4 one-sided Rademacher perturbations, step divided by their spread).",
     )
     parser.add_argument("--budget_minutes", type=float, default=20.0, help="Training wall time.")
     parser.add_argument("--points", type=int, default=2, help="Evaluations after the zero-shot one, evenly in time.")
