@@ -12,12 +12,13 @@ process, then merge (the figure and the table of docs/accuracy.md)::
         --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
 
 `--dataset rotten_tomatoes` runs the same on a second sentiment set (Rotten Tomatoes' 8,530 movie-review snippets, 872
-held out for evaluation). `--heldout N` evaluates on N sentences held out of the training set instead (to choose
-settings without touching the validation set; `--heldout_min_words 12` holds out sentences as long as validation's, not
-the short phrases that make up most of the training set); `--zero_shot` only prints each template's zero-shot accuracy
-on the evaluation set; `--step_cost` only measures what a ZO step of each variant costs in forwards of the same batch
-(one batch of training prompts, trained on again and again; each step paired with the forward timed right after it, as
-benchmarks/step_cost.py does).
+held out for evaluation); `--train_min_words 12` trains on SST-2's sentence-length entries only. `--heldout N`
+evaluates on N sentences held out of the training set instead (to choose settings without touching the validation
+set; `--heldout_min_words 12` holds out sentences as long as validation's, not the short phrases that make up most of
+the training set); `--zero_shot` only prints each template's zero-shot accuracy on the evaluation set; `--step_cost`
+only measures what a ZO step of each variant costs in forwards of the same batch (one batch of training prompts,
+trained on again and again; each step paired with the forward timed right after it, as benchmarks/step_cost.py
+does).
 
 Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher estimates around the centre loss,
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
