@@ -24,11 +24,14 @@ Variants (`--variants`): `fzoo_lora`, `fzoo_full` (FZOO, 4 one-sided Rademacher 
 step normalised by their spread), `mezo_lora`, `mezo_full` (MeZO's ZO-SGD), `adamw_lora`, `adamw_full` (first-order
 `transformers.Trainer`), `mezo_ln`, `adamw_ln` (PEFT's LN tuning: the 61 RMSNorm weights, 35,136 parameters, against
 LoRA's 460,800), `mezo_lora_fa` (LoRA-FA: LoRA whose random down-projections A stay as initialised, only B trained:
-184,320 parameters), `mezo_defaults` (the library's defaults for a prompt task on a causal LM: LoRA on
-`hf_zo.training.prompt_lora_target_modules`, MeZO's ZO-SGD, the learning rate and eps `ZOConfig` fills in). LoRA: r
-8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora.lora_target_modules='["q_proj"]'` chooses
-others). `--template mezo` (default) is MeZO's `{sentence} It was` / ` terrible`, ` great`; `--template review` is
-`Review: {sentence}\\nSentiment:` / ` negative`, ` positive`; the others (`--zero_shot` compares them all) include
+184,320 parameters), `prompt_defaults` (what `examples/train.py` trains a prompt task on a causal LM with: LoRA on
+`hf_zo.training.prompt_lora_target_modules` of the layers `hf_zo.training.prompt_lora_layers`, the estimator
+`hf_zo.training.PROMPT_ZO_DEFAULTS`, the learning rate and eps `ZOConfig` fills in), `mezo_defaults` (the same LoRA
+with MeZO's ZO-SGD; `--set mezo_defaults.lora_layers=all` adapts every layer, as the defaults did until 2026-12-07).
+LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora.lora_target_modules='["q_proj"]'`
+chooses others, `--set 'mezo_lora.lora_layers=[10, 11]'` the layers). `--template mezo` (default) is MeZO's
+`{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` / ` negative`,
+` positive`; the others (`--zero_shot` compares them all) include
 questions put through the model's chat template (`chat_question`, ...), the label word the first token of the
 answer. The learning rate is constant unless `--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear
 mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20 minutes of MeZO on LoRA here), as
@@ -58,7 +61,7 @@ from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.metrics import build_compute_metrics  # noqa: E402
 from hf_zo.models import embedded_llm_path, norm_module_names  # noqa: E402
 from hf_zo.prompts import PromptClassification  # noqa: E402
-from hf_zo.training import prompt_lora_target_modules  # noqa: E402
+from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules  # noqa: E402
 from hf_zo.training.defaults import lora_target_names  # noqa: E402
 
 TEMPLATES = {
@@ -130,6 +133,7 @@ VARIANTS: dict[str, dict] = {
         "zo_eps": 1e-2,
     },
     "mezo_defaults": {"method": "lora_prompt_default", "trainer": "zo"},
+    "prompt_defaults": {"method": "lora_prompt_default", "trainer": "zo", **PROMPT_ZO_DEFAULTS},
     "mezo_full": {"method": "full", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 1e-6, "zo_eps": 1e-3},
     "mezo_ln": {"method": "ln", "trainer": "zo", "zo_optimizer": "zo_sgd", "learning_rate": 3e-3, "zo_eps": 1e-3},
     "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
@@ -231,14 +235,24 @@ def load_data(options: argparse.Namespace):
     return train.select(rest), raw["validation"], f"{name} {evaluated_on} (872){trained_on}"
 
 
-def build_model(path: str, method: str, lora_target_modules: list[str] | None = None):
+def build_model(
+    path: str, method: str, lora_target_modules: list[str] | None = None, lora_layers: list[int] | str | None = None
+):
+    """The model a variant trains: the LLM with LoRA (on `lora_target_modules` of the layers `lora_layers`: default
+    every layer, or for the prompt default `hf_zo.training.prompt_lora_layers`; `"all"`: every layer), LoRA-FA, LN
+    tuning, or all of its weights (`method`)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model
 
     if method == "lora_prompt_default":  # LoRA as examples/train.py builds it for a prompt task on a causal LM
         lora_target_modules = prompt_lora_target_modules(model)
+        lora_layers = prompt_lora_layers(model) if lora_layers is None else lora_layers
+    if lora_layers == "all":  # the prompt default's targets on every layer (the defaults before 2026-12-07)
+        lora_layers = None
     if method in ("lora", "lora_fa", "lora_prompt_default"):
         lora = {**LORA, "target_modules": lora_target_modules or LORA["target_modules"]}
+        if lora_layers is not None:
+            lora["layers_to_transform"] = lora_layers
         model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, **lora))
         if method == "lora_fa":  # LoRA-FA: the random down-projections A stay as initialised, only B is trained
             for name, param in model.named_parameters():
@@ -251,7 +265,7 @@ def build_model(path: str, method: str, lora_target_modules: list[str] | None = 
 
 
 def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, train, evaluation) -> Trainer:
-    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer", "lora_target_modules")}
+    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer", "lora_target_modules", "lora_layers")}
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="hf_zo_llm_curve_"),
         max_steps=10**6,
@@ -266,7 +280,7 @@ def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, tr
         label_names=["labels"],
     )
     common.update(fields)  # the variant's fields and `--set` override the shared ones
-    model = build_model(options.model, spec["method"], spec.get("lora_target_modules"))
+    model = build_model(options.model, spec["method"], spec.get("lora_target_modules"), spec.get("lora_layers"))
     kwargs = dict(
         model=model,
         train_dataset=train,
@@ -311,6 +325,8 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
     spec = {**spec, "learning_rate": trainer.args.learning_rate}  # the library's default where the variant left it
     if spec["method"] == "lora_prompt_default":
         spec.update(zo_eps=trainer.args.zo_eps, lora_target_modules=sorted(lora_target_names(trainer.model)))
+        if spec.get("lora_layers") is None:
+            spec["lora_layers"] = prompt_lora_layers(trainer.model)
     return {
         "variant": name,
         "spec": spec,
@@ -392,13 +408,18 @@ def step_cost(name: str, spec: dict, options, tokenizer, task, train, steps: int
 
 
 def schedule(result: dict) -> str:
-    """The run's learning rate and schedule, e.g. "lr 2e-3 constant" or "lr 2e-3 linear over 340 steps", and its
-    LoRA modules where they are not the default q_proj and v_proj ("lr 0.008 constant, LoRA on q_proj")."""
+    """The run's estimator where it is FZOO, learning rate and schedule, e.g. "lr 2e-3 constant" or "lr 2e-3 linear
+    over 340 steps", and its LoRA modules and layers where they are not the default q_proj and v_proj of every layer
+    ("fzoo (N 4), lr 6e-05 constant, LoRA on q_proj of layers 10-29")."""
     spec = result["spec"]
     kind = spec.get("lr_scheduler_type", "constant")
     over = f" over {spec['max_steps']} steps" if kind != "constant" and "max_steps" in spec else ""
     modules = f", LoRA on {'+'.join(spec['lora_target_modules'])}" if spec.get("lora_target_modules") else ""
-    return f"lr {spec['learning_rate']:g} {kind}{over}{modules}"
+    if spec.get("lora_layers"):
+        modules += f" of layers {min(spec['lora_layers'])}-{max(spec['lora_layers'])}"
+    optimizer = spec.get("zo_optimizer", "zo_sgd") if spec.get("trainer") == "zo" else "adamw"
+    estimator = f"{optimizer} (N {spec['zo_num_perturbations']}), " if optimizer == "fzoo" else ""
+    return f"{estimator}lr {spec['learning_rate']:g} {kind}{over}{modules}"
 
 
 def plot(results: list[dict], path: str, title: str) -> None:

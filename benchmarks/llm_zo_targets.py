@@ -14,8 +14,9 @@ the prompt task of the learning-curve benchmark:
   L(w)) / eps**2`` averaged over `--samples` Gaussian directions on one batch); with few samples it is noisy, and
   negative estimates are counted as zero in the sums.
 
-Then it prints, for candidate sets (LoRA on q and v, the default; on q alone; on every linear layer; the
-RMSNorms), ``S``, ``N``, ``T`` and the best expected decrease per step::
+Then it prints, for candidate sets (LoRA on q and v; on q alone, and on q of layers 10-29, the default for a prompt
+task; on every linear layer; the RMSNorms), ``S``, ``N``, ``T`` and the best expected decrease per step (each group's
+own line gives them by band: ``q_proj:0`` is q_proj of layers 0-9)::
 
     python benchmarks/llm_zo_targets.py --template review --output /tmp/zo_targets.json
 """
@@ -42,6 +43,7 @@ NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_atte
 CANDIDATES = {
     "LoRA on q, v (the default)": ["q_proj", "v_proj"],
     "LoRA on q": ["q_proj"],
+    "LoRA on q of layers 10-29": ["q_proj:1", "q_proj:2"],
     "LoRA on v": ["v_proj"],
     "LoRA on q, k, v, o": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "LoRA on the MLP": ["gate_proj", "up_proj", "down_proj"],
@@ -141,7 +143,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     summary = {}
     for candidate, kinds in CANDIDATES.items():
-        chosen = [results[g] for g in results if g.split(":")[0] in kinds]
+        chosen = [results[g] for g in results if g.split(":")[0] in kinds or g in kinds]  # a kind, or one band
         size = sum(r["parameters"] for r in chosen)
         signal, noise = sum(r["S"] for r in chosen), sum(r["N"] for r in chosen)
         curvature = sum(max(r["T"], 0.0) for r in chosen)

@@ -10,12 +10,12 @@ mean-pooled embedding; the head is linear-probed, then trained first-order)::
         --peft lora --learning_rate 1e-4 --zo_eps 1e-2 --max_steps 1000 --output_dir minilm-sst2-zo
 
 Prompt-based classification the MeZO way on the embedded LLM (SmolLM2-135M-Instruct, offline: `hf-zo embedded-llm`
-prints its folder; MeZO on LoRA at the learning rate measured best, docs/prompts.md)::
+prints its folder; LoRA on a prompt task trains with the estimator and rate measured best for it, FZOO at 6e-5,
+unless `--zo_optimizer` or `--learning_rate` is given: docs/prompts.md)::
 
     python examples/train.py --model_name_or_path "$(hf-zo embedded-llm)" --task_name sst2 \
         --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
-        --peft lora --learning_rate 2e-3 --zo_eps 1e-2 --lr_scheduler_type constant --max_steps 200 \
-        --output_dir smollm2-sst2-zo
+        --peft lora --max_steps 200 --output_dir smollm2-sst2-zo
 
 Prompt-based classification the MeZO way (OPT scores " terrible" / " great" after "<sentence> It was")::
 
@@ -62,7 +62,7 @@ from hf_zo.metrics import build_compute_metrics
 from hf_zo.models import norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
 from hf_zo.prompts import PROMPT_LOSSES, PROMPT_TASKS, PromptClassification, PromptTask
-from hf_zo.training import prompt_lora_target_modules
+from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
 from hf_zo.training.checkpointing import saved_run_files
 
 ignore_peft_warnings()  # LN tuning's and get_peft_model's warnings, printed on every run: nothing to act on
@@ -102,6 +102,13 @@ class ModelArguments:
         metadata={
             "help": "LoRA target modules (default: q_proj for a prompt task on a causal LM that has it, "
             "hf_zo.training.PROMPT_LORA_TARGET_MODULES; else PEFT's choice for the architecture)."
+        },
+    )
+    lora_layers_to_transform: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Layer indices LoRA adapts (default: with the default targets of a prompt task, the upper two "
+            "thirds of the layers, hf_zo.training.prompt_lora_layers; else every layer)."
         },
     )
     num_virtual_tokens: int = field(default=10, metadata={"help": "Virtual tokens of prefix and prompt tuning."})
@@ -342,6 +349,15 @@ def resolve_task_type(model_args: ModelArguments, data: DataArguments) -> str:
     return "prompt_classification" if causal else "classification"
 
 
+def is_prompt_task(model_args: ModelArguments, data: DataArguments) -> bool:
+    """Whether the run is a prompt task; `False` for a model whose config cannot be read now (loading it fails later
+    with its own message)."""
+    try:
+        return resolve_task_type(model_args, data) == "prompt_classification"
+    except OSError:
+        return False
+
+
 def build_peft_config(model_args: ModelArguments, task_type: str, model):
     """The PEFT config of `--peft` (a classifier's head goes to `modules_to_save`, trained with the adapter)."""
     from peft import LNTuningConfig, LoraConfig, PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, TaskType
@@ -353,8 +369,11 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
         if target_modules is None and isinstance(model.config, PooledEncoderConfig):
             # PEFT picks LoRA's targets by model type; a pooled encoder's are those of its encoder.
             target_modules = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model.config.encoder.model_type)
+        layers = model_args.lora_layers_to_transform
         if target_modules is None and task_type == "prompt_classification":
             target_modules = prompt_lora_target_modules(model)
+            if target_modules is not None and layers is None:
+                layers = prompt_lora_layers(model)
         module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         unknown = [name for name in target_modules or () if name not in module_names]
         if unknown:
@@ -369,6 +388,7 @@ def build_peft_config(model_args: ModelArguments, task_type: str, model):
             lora_alpha=model_args.lora_alpha,
             lora_dropout=model_args.lora_dropout,
             target_modules=target_modules,
+            layers_to_transform=layers,
         )
     if model_args.peft == "ln_tuning":
         return LNTuningConfig(task_type=peft_task, target_modules=norm_module_names(model))
@@ -437,6 +457,7 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, ZOC
     """The script's arguments: flags, or a JSON/YAML file of them first and flags after it that override its values
     (`python examples/train.py config.yaml --max_steps 100`), as TRL's scripts take a `--config` file."""
     parser = HfArgumentParser((ModelArguments, DataArguments, ZOConfig))
+    values = {}
     if argv and argv[0].endswith(CONFIG_FILE_SUFFIXES):
         with open(argv[0], encoding="utf-8") as file:
             values = yaml.safe_load(file) if argv[0].endswith(("yaml", "yml")) else json.load(file)
@@ -457,7 +478,19 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, ZOC
         for action in parser._actions:
             action.required = action.required and action.dest not in values
         argv = argv[1:]
-    return parser.parse_args_into_dataclasses(argv)
+    model_args, data, args = parser.parse_args_into_dataclasses(argv)
+    flags = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    chosen = set(values) | {action.dest for action in parser._actions if flags & set(action.option_strings)}
+    # LoRA on a prompt task trains with the estimator measured best for it (hf_zo.training.PROMPT_ZO_DEFAULTS),
+    # unless the optimizer or a learning rate (one of MeZO's scale, most likely) was chosen, or the run asks for what
+    # only MeZO's two-point estimate does (the dual engine, offload, perturbation parallelism).
+    two_point = args.zo_engine != "sequential" or args.zo_offload or args.zo_perturbation_parallel_size > 1
+    chose_optimizer = bool(chosen & {"zo_optimizer", "learning_rate"})
+    recipe = model_args.peft == "lora" and not chose_optimizer and not two_point
+    if recipe and is_prompt_task(model_args, data):
+        parser.set_defaults(**{name: value for name, value in PROMPT_ZO_DEFAULTS.items() if name not in chosen})
+        model_args, data, args = parser.parse_args_into_dataclasses(argv)
+    return model_args, data, args
 
 
 def main(argv: list[str] | None = None) -> tuple[ZOTrainer, dict[str, float]]:

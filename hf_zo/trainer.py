@@ -20,7 +20,7 @@ import math
 import torch
 from transformers import Trainer, TrainingArguments
 
-from .engine import DualEngine
+from .engine import DualEngine, FrozenPrefix
 from .heads import ZOHeads, first_order_parameter_names, prepare_zo_heads
 from .optim import ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
@@ -103,6 +103,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
         self._zo_log_skipped = 0
         self.zo_heads = ZOHeads()
         self._zo_probed_model = None  # the model whose head `train()` has fitted (see `zo_head_init`)
+        self._zo_frozen_prefix: tuple[ZOOptimizer, FrozenPrefix] | None = None
 
     def create_accelerator_and_postprocess(self) -> None:
         """`Trainer.create_accelerator_and_postprocess`, then, the first time, the model made ready for ZO.
@@ -188,12 +189,22 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
 
         optimizer = self.zo_optimizer
         skipped_before = optimizer.num_skipped
-        records = optimizer.estimate(closure)
+        with self._zo_frozen_prefix_of(optimizer).shared():
+            records = optimizer.estimate(closure)
         self.zo_heads.end_micro_batch()
         self._zo_log_skipped += optimizer.num_skipped - skipped_before
         self._zo_log_grads.extend(r.projected_grad for r in records)
         loss = sum(r.loss for r in records) / len(records) if records else math.nan
         return torch.tensor(loss / self.current_gradient_accumulation_steps, device=self.args.device)
+
+    def _zo_frozen_prefix_of(self, optimizer: ZOOptimizer) -> FrozenPrefix:
+        """The frozen blocks whose outputs the forwards of a micro-batch share (`zo_reuse_frozen_prefix`; none with
+        the dual engine, which sweeps the blocks itself)."""
+        if self._zo_frozen_prefix is None or self._zo_frozen_prefix[0] is not optimizer:
+            reuse = self.args.zo_reuse_frozen_prefix and optimizer.engine is None
+            perturbed = [tensor for _, tensor in optimizer.params.tensors] if reuse else []
+            self._zo_frozen_prefix = (optimizer, FrozenPrefix(self.model, perturbed))
+        return self._zo_frozen_prefix[1]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add `projected_grad` (mean since the last log) and `zo_skipped` to the training logs."""

@@ -15,6 +15,7 @@ from hf_zo.training import (
     LABEL_WORD_LORA_TARGET_DEFAULTS,
     LABEL_WORD_METHOD_DEFAULTS,
     METHOD_DEFAULTS,
+    prompt_lora_layers,
     prompt_lora_target_modules,
     trained_method,
 )
@@ -107,6 +108,17 @@ def test_prompt_tasks_adapt_the_query_projections_where_the_model_has_them():
     """LoRA's default targets for a prompt task: q_proj on a causal LM that names it, PEFT's choice elsewhere."""
     assert prompt_lora_target_modules(tiny_causal_lm("opt")) == ["q_proj"]
     assert prompt_lora_target_modules(tiny_causal_lm("gpt2")) is None  # a fused c_attn: PEFT's choice
+
+
+def test_prompt_tasks_leave_the_lowest_third_of_the_layers_out():
+    """LoRA's default layers for a prompt task: above the lowest third (10-29 of SmolLM2-135M's 30)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    assert prompt_lora_layers(SimpleNamespace(config=LlamaConfig(num_hidden_layers=30))) == list(range(10, 30))
+    assert prompt_lora_layers(tiny_causal_lm("opt")) == [0, 1]  # two layers: both
+    assert prompt_lora_layers(SimpleNamespace(config=None)) is None  # no layer count: every layer, PEFT's default
 
 
 def test_fzoo_takes_its_own_scale_and_refuses_a_method_it_was_not_measured_on(tmp_path):

@@ -436,6 +436,39 @@ def test_resume_from_checkpoint_true_continues_from_the_last_checkpoint(workspac
         run_example(workspace, tmp_path / "fresh", *flags, "--resume_from_checkpoint", "true")
 
 
+def test_a_prompt_task_trains_with_fzoo_unless_the_run_chooses_otherwise(workspace, tmp_path):
+    """`examples/train.py` gives LoRA on a prompt task `PROMPT_ZO_DEFAULTS`; a chosen optimizer or learning rate, or
+    an engine only MeZO's two-point estimate runs, keeps `ZOConfig`'s MeZO; other tasks and methods keep it too."""
+    out = ["--output_dir", str(tmp_path / "out")]
+    full = ["--model_name_or_path", str(workspace / "lm"), "--task_name", "sst2", *out]
+    prompt = [*full, "--peft", "lora"]
+
+    def estimator(*argv):
+        args = train_script.parse_arguments(list(argv))[2]
+        return args.zo_optimizer, args.zo_num_perturbations, args.zo_noise
+
+    assert estimator(*prompt) == ("fzoo", 4, "rademacher")
+    assert estimator(*prompt, "--zo_num_perturbations", "8") == ("fzoo", 8, "rademacher")
+    chosen = (["--zo_optimizer", "zo_sgd"], ["--zo_optimizer=zo_sgd"], ["--learning_rate", "1e-3"])
+    for flags in (*chosen, ["--zo_engine", "dual"]):
+        assert estimator(*prompt, *flags) == ("zo_sgd", 1, "gaussian"), flags
+    assert estimator(*full)[0] == "zo_sgd"  # full fine-tuning: FZOO's rate is measured for LoRA only
+    assert estimator("--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2", *out)[0] == "zo_sgd"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model_name_or_path: {workspace / 'lm'}\ntask_name: sst2\npeft: lora\nzo_optimizer: zo_sgd\n")
+    assert estimator(str(config), *out) == ("zo_sgd", 1, "gaussian")
+
+
+def test_lora_layers_to_transform_and_the_frozen_blocks_below_them(workspace, tmp_path):
+    flags = ["--model_name_or_path", str(workspace / "lm"), "--task_name", "sst2", "--peft", "lora"]
+    flags += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
+    trainer, _ = run_example(workspace, tmp_path, *flags, "--lora_layers_to_transform", "1")
+    lora = [name for name, _ in trainer.model.named_parameters() if "lora" in name]
+    assert {name.split(".layers.")[1].split(".")[0] for name in lora} == {"1"}
+    prefix = trainer._zo_frozen_prefix[1]
+    assert len(prefix.blocks) == 1 and prefix.reused == 4 * 4  # FZOO: a centre and 4 one-sided forwards a step
+
+
 def test_config_file_with_flags_that_override_it(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(

@@ -137,6 +137,12 @@ class ZOConfig(TrainingArguments):
             forwards together, one repeated block at a time (found from `_no_split_modules`), so each block is
             perturbed, used by both and restored while it is resident: same losses and weights as `"sequential"`
             (bitwise in fp32), and the schedule that offload needs. Activation memory is that of a doubled batch.
+        zo_reuse_frozen_prefix (`bool`, *optional*, defaults to `True`):
+            With `"sequential"`: the repeated blocks before the first one ZO perturbs (LoRA on the upper layers
+            only, for instance) run in the first forward of each micro-batch, and the later forwards of its
+            estimates reuse their outputs (`hf_zo.engine.FrozenPrefix`): exact, the losses and weights bitwise those
+            of running every block. Off when a perturbed tensor lies outside the blocks (embeddings, prompt
+            encoders). Memory: one hidden state of the micro-batch per reused block.
         zo_exact_restore (`bool`, *optional*):
             Restore the weights after the two forwards from a saved copy instead of subtracting the perturbation:
             exact in bf16/fp16 (no drift), no longer bitwise equal to subtracting in fp32. `"sequential"` copies the
@@ -257,6 +263,10 @@ class ZOConfig(TrainingArguments):
     )
     zo_engine: str = field(
         default="sequential", metadata={"help": "How the two forwards run.", "choices": list(ZO_ENGINES)}
+    )
+    zo_reuse_frozen_prefix: bool = field(
+        default=True,
+        metadata={"help": "Run the frozen blocks before the first perturbed one once per micro-batch (sequential)."},
     )
     zo_exact_restore: bool | None = field(
         default=None, metadata={"help": "Restore weights from a copy (no bf16/fp16 drift); default: auto."}
