@@ -70,6 +70,14 @@ def parse_args() -> argparse.Namespace:
         "--lora_target_modules", nargs="+", default=["q_proj", "v_proj"], help="The modules LoRA adapts."
     )
     parser.add_argument(
+        "--lora_layers_to_transform",
+        nargs="+",
+        type=int,
+        default=None,
+        help="The layers LoRA adapts (default: all); e.g. 10 ... 29, the upper two thirds of SmolLM2's 30, as the "
+        "prompt-task defaults do (`hf_zo.training.prompt_lora_layers`).",
+    )
+    parser.add_argument(
         "--system_prompt",
         default=None,
         help="A system turn before each question ('' for an empty one); default: none, so the chat template adds "
@@ -208,7 +216,13 @@ def build_trainer(options, tokenizer, train):
         model_init_kwargs={"dtype": torch.float32},
     )
     if options.peft == "lora":
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=options.lora_target_modules,
+            layers_to_transform=options.lora_layers_to_transform,
+            task_type="CAUSAL_LM",
+        )
     else:
         norms = norm_module_names(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(options.model)))
         peft_config = LNTuningConfig(target_modules=norms, task_type="CAUSAL_LM")
@@ -268,6 +282,7 @@ def run(options) -> dict:
         "batch": options.batch_size,
         "peft": options.peft,
         "lora_target_modules": options.lora_target_modules if options.peft == "lora" else None,
+        "lora_layers_to_transform": options.lora_layers_to_transform if options.peft == "lora" else None,
         "system_prompt": options.system_prompt,
         "steps": steps,
         "train_seconds": round(budget.seconds, 1),
