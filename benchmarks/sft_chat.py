@@ -19,6 +19,10 @@ system turn first (the template's default system prompt is 16 of a prompt's 52 t
 measured over training and over inference forwards of the first training batches (the same batch shape); the training
 peak over the optimizer steps alone (the evaluations by generation, at batch 32, are left out of it; `process_peak_mib`
 has the whole of training).
+
+`--zero_shot` trains nothing: it asks the instruct model each user turn of `QUESTIONS` (the one above first) about
+400 training sentences of 12+ words and prints how well the two answer words' scores separate the classes (also at
+their best threshold) and how many of its greedy answers to 100 of them are right (docs/trl.md).
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ from hf_zo.models import embedded_llm_path  # noqa: E402
 
 QUESTION = "Is this movie review positive or negative?\n{sentence}"
 ANSWERS = ("negative", "positive")
+# Other user turns, compared with QUESTION by `--zero_shot` (the chat form the model answers in best).
+QUESTIONS = {
+    "reference": QUESTION,
+    "review_sentiment": "Review: {sentence}\nSentiment:",
+    "review_question": "Review: {sentence}\nIs this review positive or negative?",
+    "classify": "Classify the sentiment of this movie review as positive or negative.\nReview: {sentence}",
+    "sentence_question": "{sentence}\n\nIs the sentiment of this sentence positive or negative?",
+    "one_word": "Is this movie review positive or negative? Answer with one word.\n{sentence}",
+    "opinion": "Review: {sentence}\nWas the reviewer's opinion positive or negative?",
+    "quoted": 'What is the sentiment of this review: "{sentence}"? Answer positive or negative.',
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,6 +98,12 @@ def parse_args() -> argparse.Namespace:
         help="A system turn before each question ('' for an empty one); default: none, so the chat template adds "
         "SmolLM2's own (16 of a prompt's 52 tokens on average).",
     )
+    parser.add_argument(
+        "--zero_shot",
+        action="store_true",
+        help="Only compare the instruct model's zero-shot answers to each user turn of QUESTIONS, on --num_eval "
+        "(default 400) training sentences of 12+ words, and write them to --output.",
+    )
     parser.add_argument("--eval_batch_size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output", default="docs/images/sft_chat.json", help="Where the JSON goes.")
@@ -90,10 +111,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def prompt_turns(sentence: str, system_prompt: str | None) -> list[dict]:
-    """The prompt's turns: the question about `sentence`, after a system turn when `system_prompt` is given."""
+def prompt_turns(sentence: str, system_prompt: str | None, question: str = QUESTION) -> list[dict]:
+    """The prompt's turns: `question` about `sentence`, after a system turn when `system_prompt` is given."""
     system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    return [*system, {"role": "user", "content": QUESTION.format(sentence=sentence.strip())}]
+    return [*system, {"role": "user", "content": question.format(sentence=sentence.strip())}]
 
 
 def chat_datasets(options: argparse.Namespace):
@@ -117,11 +138,19 @@ def chat_datasets(options: argparse.Namespace):
 class GenerationAccuracy:
     """The share of validation sentences whose greedy answer names the right word and not the other."""
 
-    def __init__(self, tokenizer, validation, batch_size: int, system_prompt: str | None, max_new_tokens: int = 6):
+    def __init__(
+        self,
+        tokenizer,
+        validation,
+        batch_size: int,
+        system_prompt: str | None,
+        max_new_tokens: int = 6,
+        question: str = QUESTION,
+    ):
         self.tokenizer, self.batch_size, self.max_new_tokens = tokenizer, batch_size, max_new_tokens
         prompts = [
             tokenizer.apply_chat_template(
-                prompt_turns(s, system_prompt),
+                prompt_turns(s, system_prompt, question),
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -298,6 +327,51 @@ def run(options) -> dict:
     }
 
 
+def zero_shot(options) -> list[dict]:
+    """Each user turn of :data:`QUESTIONS` asked of the instruct model, zero-shot, on `--num_eval` (default 400)
+    training sentences of 12+ words (as long as validation's; none of them validation): the two answer words' scores
+    at the first position of the answer (the accuracy, and the accuracy at the best threshold on their difference:
+    what calibrating the two words alone could reach, the discrimination an SFT run starts from), and greedy
+    generation on the first 100 (right, and unclear: naming neither word or both)."""
+    from hf_zo.prompts import PromptClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
+    train = read_sst2(options.data_dir)["train"].shuffle(seed=options.seed)
+    long = [i for i, sentence in enumerate(train["sentence"]) if len(sentence.split()) >= 12]
+    sentences = train.select(long[: options.num_eval or 400]).map(lambda row: {"sentence": row["sentence"].strip()})
+    labels = torch.tensor(sentences["label"])
+    results = []
+    for name, question in QUESTIONS.items():
+        template = tokenizer.apply_chat_template(
+            prompt_turns("{sentence}", options.system_prompt, question), add_generation_prompt=True, tokenize=False
+        )
+        task = PromptClassification(tokenizer, template, ANSWERS)
+        scores = task.predict_scores(model, task.tokenize(sentences), batch_size=options.eval_batch_size)
+        margin = scores[:, 1] - scores[:, 0]  # positive minus negative
+        calibrated = max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+        generated = GenerationAccuracy(
+            tokenizer,
+            sentences.select(range(min(100, len(sentences)))),
+            options.eval_batch_size,
+            options.system_prompt,
+            question=question,
+        )(model)
+        results.append(
+            {
+                "question": name,
+                "system_prompt": options.system_prompt,
+                "sentences": len(sentences),
+                "score_accuracy": round(float((scores.argmax(-1) == labels).float().mean()), 4),
+                "best_threshold_accuracy": round(calibrated, 4),
+                "generation_accuracy": generated["accuracy"],
+                "generation_unclear": generated["unclear"],
+            }
+        )
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table of docs/trl.md: one row per run, one column per evaluation point."""
     rows = [
@@ -320,14 +394,19 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     options = parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(options.output)), exist_ok=True)
     if options.merge:
         results = read_results(options.merge)
     else:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         options.model = options.model or embedded_llm_path()
+        if options.zero_shot:
+            with open(options.output, "w") as file:
+                json.dump({"zero_shot": zero_shot(options)}, file, indent=1)
+            print(f"wrote {options.output}")
+            return
         results = [run(options)]
         print(json.dumps({k: v for k, v in results[0].items() if k != "curve"}), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(options.output)), exist_ok=True)
     with open(options.output, "w") as file:
         json.dump({"results": results}, file, indent=1)
     print(f"wrote {options.output}\n\n{table(results)}")
