@@ -31,11 +31,12 @@ with MeZO's ZO-SGD; `--set mezo_defaults.lora_layers=all` adapts every layer, as
 LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora.lora_target_modules='["q_proj"]'`
 chooses others, `--set 'mezo_lora.lora_layers=[10, 11]'` the layers). `--template mezo` (default) is MeZO's
 `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` / ` negative`,
-` positive`; the others (`--zero_shot` compares them all) include
-questions put through the model's chat template (`chat_question`, ...), the label word the first token of the
-answer. The learning rate is constant unless `--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear
-mezo_lora.max_steps=340` decays it linearly to zero over 340 steps (about 20 minutes of MeZO on LoRA here), as
-`Trainer` does by default over `max_steps`.
+` positive`; `--template review_demos` is the review template after two demonstrations (one training phrase of
+each class, chosen on held-out sentences by benchmarks/llm_demonstrations.py); the others (`--zero_shot` compares
+them all, `--zero_shot_templates review,review_demos` some) include questions put through the model's chat template
+(`chat_question`, ...), the label word the first token of the answer. The learning rate is constant unless `--set`
+says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over
+340 steps (about 20 minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ TEMPLATES = {
     "overall": ("{sentence} Overall, the movie was", (" bad", " good")),
     "review_is": ("{sentence} The review is", (" negative", " positive")),
     "quoted_review": ('Movie review: "{sentence}"\nThe sentiment of this review is', (" negative", " positive")),
+    # The review template after two demonstrations, one of each class (in-context examples, as LM-BFF's): SST-2
+    # training phrases outside the held-out slice, the pair and order chosen on it (benchmarks/llm_demonstrations.py).
+    "review_demos": (
+        "Review: chai 's structure and pacing are disconcertingly slack .\nSentiment: negative\n\n"
+        "Review: i liked about schmidt a lot ,\nSentiment: positive\n\n"
+        "Review: {sentence}\nSentiment:",
+        (" negative", " positive"),
+    ),
 }
 # User turns rendered through the model's chat template (its default system prompt), the label word the answer's
 # first token: the instruct model asked as it was tuned to be asked.
@@ -184,6 +193,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
+    parser.add_argument(
+        "--zero_shot_templates", default=None, help="With --zero_shot: only these templates (comma-separated)."
+    )
     parser.add_argument("--step_cost", action="store_true", help="Only measure each ZO step in forwards.")
     parser.add_argument("--output", default="llm_learning_curve.json", help="Where the JSON goes.")
     parser.add_argument(
@@ -350,7 +362,14 @@ def zero_shot(options, tokenizer, evaluation) -> None:
     could reach)."""
     model = AutoModelForCausalLM.from_pretrained(options.model, dtype=torch.float32)
     labels = torch.tensor(evaluation["label"])
-    for name, (template, words) in templates(tokenizer).items():
+    every = templates(tokenizer)
+    chosen = options.zero_shot_templates.split(",") if options.zero_shot_templates else list(every)
+    unknown = sorted(set(chosen) - set(every))
+    if unknown:
+        raise SystemExit(f"--zero_shot_templates: unknown {unknown}; choose from {sorted(every)}.")
+    for name, (template, words) in every.items():
+        if name not in chosen:
+            continue
         task = PromptClassification(tokenizer, template, words)
         start = time.perf_counter()
         scores = task.predict_scores(model, task.tokenize(evaluation), batch_size=32)
