@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llm_learning_curve import TEMPLATES, load_data  # noqa: E402
+from llm_learning_curve import TEMPLATES, best_threshold_accuracy, load_data  # noqa: E402
 
 from hf_zo.models import embedded_llm_path  # noqa: E402
 from hf_zo.prompts import PromptClassification  # noqa: E402
@@ -88,9 +88,8 @@ def main() -> None:
     for band, index, order, prefix in [((0, 0), 0, "", ""), *candidates(pool, options.pairs)]:
         task = PromptClassification(tokenizer, prefix + TEMPLATE, LABEL_WORDS)
         scores = task.predict_scores(model, task.tokenize(heldout), batch_size=32)
-        margin = scores[:, 1] - scores[:, 0]
-        accuracy = float(((margin > 0) == labels.bool()).float().mean())
-        calibrated = max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+        accuracy = float((scores.argmax(-1) == labels).float().mean())
+        calibrated = best_threshold_accuracy(scores, labels)
         results.append(
             {
                 "band_words": list(band),

@@ -356,6 +356,13 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
     }
 
 
+def best_threshold_accuracy(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """The accuracy of two-label `scores` `(n, 2)` at the best threshold on their difference (positive minus
+    negative): what correcting the two label words' bias alone could reach."""
+    margin = scores[:, 1] - scores[:, 0]
+    return max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+
+
 def zero_shot(options, tokenizer, evaluation) -> None:
     """Each template's zero-shot accuracy on the evaluation set (to choose a template on held-out sentences), and
     its accuracy at the best threshold on the difference of the two label words' scores (what calibration alone
@@ -375,8 +382,7 @@ def zero_shot(options, tokenizer, evaluation) -> None:
         scores = task.predict_scores(model, task.tokenize(evaluation), batch_size=32)
         seconds = time.perf_counter() - start
         accuracy = float((scores.argmax(-1) == labels).float().mean())
-        margin = scores[:, 1] - scores[:, 0]  # positive minus negative
-        calibrated = max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+        calibrated = best_threshold_accuracy(scores, labels)
         result = {
             "template": name,
             "accuracy": round(accuracy, 4),

@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
-from llm_learning_curve import read_results, read_sst2  # noqa: E402
+from llm_learning_curve import best_threshold_accuracy, read_results, read_sst2  # noqa: E402
 
 from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.models import embedded_llm_path  # noqa: E402
@@ -348,8 +348,7 @@ def zero_shot(options) -> list[dict]:
         )
         task = PromptClassification(tokenizer, template, ANSWERS)
         scores = task.predict_scores(model, task.tokenize(sentences), batch_size=options.eval_batch_size)
-        margin = scores[:, 1] - scores[:, 0]  # positive minus negative
-        calibrated = max(float(((margin > t) == labels.bool()).float().mean()) for t in margin.tolist())
+        calibrated = best_threshold_accuracy(scores, labels)
         generated = GenerationAccuracy(
             tokenizer,
             sentences.select(range(min(100, len(sentences)))),
