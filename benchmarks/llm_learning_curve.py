@@ -374,9 +374,8 @@ def zero_shot(options, tokenizer, evaluation) -> None:
     unknown = sorted(set(chosen) - set(every))
     if unknown:
         raise SystemExit(f"--zero_shot_templates: unknown {unknown}; choose from {sorted(every)}.")
-    for name, (template, words) in every.items():
-        if name not in chosen:
-            continue
+    for name in chosen:
+        template, words = every[name]
         task = PromptClassification(tokenizer, template, words)
         start = time.perf_counter()
         scores = task.predict_scores(model, task.tokenize(evaluation), batch_size=32)
