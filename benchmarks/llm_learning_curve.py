@@ -190,6 +190,13 @@ def parse_args() -> argparse.Namespace:
         "20,358 entries of 12 words or more read like the validation sentences, as the sentence-level SST-2 that "
         "MeZO trains on does).",
     )
+    parser.add_argument(
+        "--average_decays",
+        type=float,
+        nargs="*",
+        default=[],
+        help="Also evaluate exponential moving averages of the trained weights at these decays at every point.",
+    )
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--zero_shot", action="store_true", help="Only print each template's zero-shot accuracy.")
@@ -307,15 +314,39 @@ def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, tr
 
 
 class Budget(WallTimeBudget):
-    """`WallTimeBudget` whose first point is the zero-shot evaluation already made (not evaluated twice)."""
+    """`WallTimeBudget` whose first point is the zero-shot evaluation already made (not evaluated twice), and which
+    also evaluates exponential moving averages of the trained weights (`average_decays`) at every later point.
 
-    def __init__(self, trainer, budget, points, max_steps, zero_shot: dict):
+    An average at decay `d` is updated after step `t` as `average = r * average + (1 - r) * weights` with
+    `r = min(d, t / (t + 1))`: the plain mean of the weights so far (the start included) until `t` reaches
+    `1 / (1 - d)`, then an average over about the last `1 / (1 - d)` steps. Its update is timed with the step. At a
+    point, the averaged weights are swapped in for one evaluation and swapped back.
+    """
+
+    def __init__(self, trainer, budget, points, max_steps, zero_shot: dict, average_decays: tuple[float, ...] = ()):
         super().__init__(trainer, budget, points, max_steps)
         self.zero_shot = zero_shot
+        self.trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        self.averages = {d: [p.detach().clone() for p in self.trained] for d in average_decays}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = state.global_step
+        with torch.no_grad():  # before the clock is read: the update counts as training time
+            for decay, average in self.averages.items():
+                torch._foreach_lerp_(average, self.trained, 1.0 - min(decay, t / (t + 1)))
+        return super().on_step_end(args, state, control, **kwargs)
 
     def _evaluate(self) -> dict[str, float]:
         if self.zero_shot is None:
-            return super()._evaluate()
+            point = super()._evaluate()
+            for decay, average in self.averages.items():
+                with torch.no_grad():
+                    live = [p.detach().clone() for p in self.trained]
+                    torch._foreach_copy_(self.trained, average)
+                    averaged = super()._evaluate()
+                    torch._foreach_copy_(self.trained, live)
+                point[f"average_{decay}"] = averaged
+            return point
         metrics, self.zero_shot = self.zero_shot, None
         return {"accuracy": metrics["eval_accuracy"], "loss": round(metrics["eval_loss"], 5)}
 
@@ -327,7 +358,9 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
         zero_shot = trainer.evaluate()
     eval_seconds = time.perf_counter() - start
     max_steps = min(options.max_steps or trainer.args.max_steps, trainer.args.max_steps)  # a variant's own too
-    budget = Budget(trainer, 60.0 * options.budget_minutes, options.points, max_steps, zero_shot)
+    budget = Budget(
+        trainer, 60.0 * options.budget_minutes, options.points, max_steps, zero_shot, tuple(options.average_decays)
+    )
     trainer.add_callback(budget)
     with PeakMemory(interval=0.02) as training:
         budget.start()

@@ -5,7 +5,9 @@ Each SST-2 training sentence becomes a conversational prompt-completion example,
 which TRL renders through the model's chat template (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) and
 trains on the completion only. The model answers the validation sentences (the same user turn, greedy, 6 new
 tokens); an answer is right when it names the right word and not the other. `--system_prompt ''` puts an empty
-system turn first (the template's default system prompt is 16 of a prompt's 52 tokens). LoRA r 8 / alpha 16 on
+system turn first (the template's default system prompt is 16 of a prompt's 52 tokens). `--answer_form` writes the
+assistant turn in the form the instruct model already answers in (``This movie review is {answer}.``), so that what
+SFT's loss leaves to learn is the word, not the form. LoRA r 8 / alpha 16 on
 `q_proj` and `v_proj` (`--peft ln`: LN tuning of every RMSNorm instead), batch 16, a wall-time budget of training
 (evaluation excluded), one variant per process (their peak memories stay apart), then merge::
 
@@ -99,6 +101,12 @@ def parse_args() -> argparse.Namespace:
         "SmolLM2's own (16 of a prompt's 52 tokens on average).",
     )
     parser.add_argument(
+        "--answer_form",
+        default="{answer}",
+        help="The assistant turn trained on, `{answer}` standing for the label word: the word alone (the default), "
+        "or a sentence in the form the instruct model answers in, e.g. 'This movie review is {answer}.'.",
+    )
+    parser.add_argument(
         "--zero_shot",
         action="store_true",
         help="Only compare the instruct model's zero-shot answers to each user turn of QUESTIONS, on --num_eval "
@@ -125,7 +133,7 @@ def chat_datasets(options: argparse.Namespace):
     def to_chat(row):
         return {
             "prompt": prompt_turns(row["sentence"], options.system_prompt),
-            "completion": [{"role": "assistant", "content": ANSWERS[row["label"]]}],
+            "completion": [{"role": "assistant", "content": options.answer_form.format(answer=ANSWERS[row["label"]])}],
         }
 
     train = train.map(to_chat, remove_columns=train.column_names)
@@ -313,6 +321,7 @@ def run(options) -> dict:
         "lora_target_modules": options.lora_target_modules if options.peft == "lora" else None,
         "lora_layers_to_transform": options.lora_layers_to_transform if options.peft == "lora" else None,
         "system_prompt": options.system_prompt,
+        "answer_form": options.answer_form,
         "steps": steps,
         "train_seconds": round(budget.seconds, 1),
         "seconds_per_step": round((budget.seconds - curve[0]["train_seconds"]) / max(1, steps), 3),
