@@ -47,6 +47,20 @@ def load_data(script_args: ScriptArguments, file_args: DataFileArguments):
     return dataset[script_args.dataset_train_split], dataset.get(script_args.dataset_test_split)
 
 
+def peft_config(model_args: ModelConfig):
+    """TRL's `get_peft_config`, except that one plain module name stays a module name.
+
+    `ModelConfig` turns a single `--lora_target_modules` value into a string (meant for `all-linear`), and PEFT
+    reads a string as a regular expression over whole module paths: `--lora_target_modules q_proj` alone would
+    match no module. A single name (`q_proj`) is kept as the set `{"q_proj"}`; `all-linear` and regular
+    expressions are passed on as given.
+    """
+    config = get_peft_config(model_args)
+    if config is not None and isinstance(config.target_modules, str) and config.target_modules.isidentifier():
+        config.target_modules = {config.target_modules}
+    return config
+
+
 def make_parser() -> TrlParser:
     """TRL's flags (`ScriptArguments`, `ZOSFTConfig`, `ModelConfig`) and the local data files."""
     return TrlParser((ScriptArguments, ZOSFTConfig, ModelConfig, DataFileArguments))
@@ -67,7 +81,7 @@ def main(script_args, training_args, model_args, file_args) -> ZOSFTTrainer:
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)

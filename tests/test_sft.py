@@ -330,3 +330,25 @@ def test_example_script_trains_lora_on_local_chat_file(tmp_path):
     subprocess.run(command, check=True, capture_output=True, text=True)
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
     assert len(ZOTrajectory.load(tmp_path / "out")) == 2
+
+
+@pytest.mark.parametrize(
+    "modules, expected",
+    [(["q_proj"], {"q_proj"}), (["q_proj", "v_proj"], {"q_proj", "v_proj"}), (["all-linear"], "all-linear")]
+    + [([r".*\.q_proj"], r".*\.q_proj")],
+)
+def test_example_script_keeps_one_lora_target_a_module_name(modules, expected, monkeypatch):
+    """TRL's `ModelConfig` collapses one `--lora_target_modules` value to a string, which PEFT reads as a regular
+    expression; examples/sft.py keeps a single plain name a name, and passes `all-linear` and regexes on."""
+    import importlib.util
+    from pathlib import Path
+
+    from trl import ModelConfig
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
+    spec = importlib.util.spec_from_file_location("sft_example", path)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclasses look their module up there
+    spec.loader.exec_module(example)
+    config = example.peft_config(ModelConfig(use_peft=True, lora_target_modules=modules))
+    assert config.target_modules == expected
