@@ -334,8 +334,12 @@ def test_example_script_trains_lora_on_local_chat_file(tmp_path):
 
 @pytest.mark.parametrize(
     "modules, expected",
-    [(["q_proj"], {"q_proj"}), (["q_proj", "v_proj"], {"q_proj", "v_proj"}), (["all-linear"], "all-linear")]
-    + [([r".*\.q_proj"], r".*\.q_proj")],
+    [
+        (["q_proj"], {"q_proj"}),
+        (["q_proj", "v_proj"], {"q_proj", "v_proj"}),
+        (["all-linear"], "all-linear"),
+        ([r".*\.q_proj"], r".*\.q_proj"),
+    ],
 )
 def test_example_script_keeps_one_lora_target_a_module_name(modules, expected, monkeypatch):
     """TRL's `ModelConfig` collapses one `--lora_target_modules` value to a string, which PEFT reads as a regular
