@@ -339,13 +339,13 @@ class Budget(WallTimeBudget):
     def _evaluate(self) -> dict[str, float]:
         if self.zero_shot is None:
             point = super()._evaluate()
-            for decay, average in self.averages.items():
+            if self.averages:
                 with torch.no_grad():
                     live = [p.detach().clone() for p in self.trained]
-                    torch._foreach_copy_(self.trained, average)
-                    averaged = super()._evaluate()
+                    for decay, average in self.averages.items():
+                        torch._foreach_copy_(self.trained, average)
+                        point[f"average_{decay}"] = super()._evaluate()
                     torch._foreach_copy_(self.trained, live)
-                point[f"average_{decay}"] = averaged
             return point
         metrics, self.zero_shot = self.zero_shot, None
         return {"accuracy": metrics["eval_accuracy"], "loss": round(metrics["eval_loss"], 5)}
