@@ -43,6 +43,7 @@ SECTIONS = [
     ("Pending updates", "hf_zo.training.pending_updates", None),
     ("Parameter groups", "hf_zo.training.param_groups", None),
     ("Model and data under the distributed layout", "hf_zo.training.layout", None),
+    ("The head options of a ZO run", "hf_zo.training.heads", None),
     (
         "Crash-safe checkpoints",
         "hf_zo.training.checkpointing",

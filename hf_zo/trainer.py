@@ -7,9 +7,9 @@ evaluation, callbacks, checkpoints, model cards, `push_to_hub`) is `Trainer`'s o
 
 The ZO wiring is one mixin, :class:`ZOTrainerMixin`, so that it composes with any `Trainer` subclass:
 `ZOTrainer` is `ZOTrainerMixin` over `transformers.Trainer`. Beside the hooks here, it brings crash-safe
-checkpoints (`hf_zo.training.checkpointing`), the order of the examples (`hf_zo.training.sampling`) and the
-placement of model and data under the distributed layout (`hf_zo.training.layout`); the optimizer is built from
-the `ZOConfig` by `hf_zo.training.optimizer.build_zo_optimizer`.
+checkpoints (`hf_zo.training.checkpointing`), the head options (`hf_zo.training.heads`), the order of the examples
+(`hf_zo.training.sampling`) and the placement of model and data under the distributed layout
+(`hf_zo.training.layout`); the optimizer is built from the `ZOConfig` by `hf_zo.training.optimizer.build_zo_optimizer`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,13 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from .engine import DualEngine, FrozenPrefix
-from .heads import ZOHeads, first_order_parameter_names, prepare_zo_heads
+from .heads import first_order_parameter_names
 from .optim import ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
 from .training.arguments import prepare_zo_args
 from .training.checkpointing import ZOCheckpointingMixin
-from .training.checks import (
-    check_optimizer_leaves_out_heads,
-    check_output_dir_is_not_the_model,
-    check_train_dataset,
-    check_trainable,
-)
+from .training.checks import check_output_dir_is_not_the_model, check_train_dataset, check_trainable
+from .training.heads import ZOHeadsMixin
 from .training.layout import ZOLayoutMixin
 from .training.optimizer import build_zo_optimizer
 from .training.param_groups import zo_param_groups
@@ -42,7 +38,7 @@ from .trajectory import ZOTrajectory, ZOTrajectoryCallback
 __all__ = ["ZOTrainer", "ZOTrainerMixin", "build_zo_optimizer"]
 
 
-class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
+class ZOTrainerMixin(ZOCheckpointingMixin, ZOHeadsMixin, ZOSamplingMixin, ZOLayoutMixin):
     """The zeroth-order wiring of a `transformers.Trainer` subclass: put it first among the bases
     (`class ZOTrainer(ZOTrainerMixin, Trainer)`).
 
@@ -101,8 +97,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
             self.model.add_model_tags(self._tag_names)
         self._zo_log_grads: list[float] = []
         self._zo_log_skipped = 0
-        self.zo_heads = ZOHeads()
-        self._zo_probed_model = None  # the model whose head `train()` has fitted (see `zo_head_init`)
+        self._init_zo_heads()
         self._zo_frozen_prefix: tuple[ZOOptimizer, FrozenPrefix] | None = None
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -232,50 +227,14 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOSamplingMixin, ZOLayoutMixin):
             self._reinit_zo_model(trial)
         check_trainable(self.model)
         check_output_dir_is_not_the_model(self.model, self.args.output_dir)
-        self.zo_heads.close()
-        if self.zo_heads in self.callback_handler.callbacks:
-            self.remove_callback(self.zo_heads)
         self._prepare_zo_checkpoints(resume_from_checkpoint)
-        # A head is fitted once per model: a later train() call goes on from the head trained so far (refitting it
-        # would also move weights outside the trajectory that the run records across calls).
-        fit_probe = self._zo_probed_model is not self.model
-        self.zo_heads = self._prepare_zo_heads(resume_from_checkpoint, fit_probe)
-        self._zo_probed_model = self.model
-        try:
-            excluded, head_training = self.zo_heads.zo_excluded, self.args.zo_head_training
-            check_optimizer_leaves_out_heads(self.zo_optimizer, self.model, excluded, head_training)
-        except ValueError:
-            self.zo_heads.close()
-            self.zo_heads = ZOHeads()
-            raise
-        self.add_callback(self.zo_heads)
+        self._setup_zo_heads(resume_from_checkpoint)
         self.model_init = None  # rebuilt above: Trainer.train must not replace the model whose head was prepared
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             self.model_init = model_init
             self.flush_pending_update()
-
-    def _prepare_zo_heads(self, resume_from_checkpoint: str | bool | None, fit_probe: bool) -> ZOHeads:
-        """:func:`~hf_zo.heads.prepare_zo_heads` on this trainer's model, data and layout."""
-        return prepare_zo_heads(
-            self.model,
-            self.args,
-            self.zo_plugin.setup(),
-            train_dataset=self.train_dataset,
-            probe_dataloader=self._zo_probe_dataloader,
-            gather=self.accelerator.gather_for_metrics if self.args.world_size > 1 else None,
-            show_progress=not self.args.disable_tqdm and self.is_local_process_zero(),
-            resume_from_checkpoint=resume_from_checkpoint,
-            fit_probe=fit_probe,
-        )
-
-    def _zo_probe_dataloader(self, examples):
-        """The linear probe's batches: sharded over the processes like evaluation, in the order the probe gave its
-        examples (the same in every layout), and not cached (`get_eval_dataloader` would store this loader as the
-        one `evaluate()` reuses when `dataloader_persistent_workers` is set)."""
-        with self.zo_in_dataset_order():
-            return self.get_test_dataloader(examples)
 
     def evaluate(self, *args, **kwargs):
         """`Trainer.evaluate` on the true (flushed) weights."""
