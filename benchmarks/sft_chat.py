@@ -4,7 +4,8 @@ Each SST-2 training sentence becomes a conversational prompt-completion example,
 ``Is this movie review positive or negative?\\n{sentence}`` and the assistant turn ``positive`` or ``negative``,
 which TRL renders through the model's chat template (SmolLM2-135M-Instruct, `hf_zo.models.embedded_llm_path`) and
 trains on the completion only. The model answers the validation sentences (the same user turn, greedy, 6 new
-tokens); an answer is right when it names the right word and not the other. `--system_prompt ''` puts an empty
+tokens; `--heldout N`: N training sentences of 12+ words kept out of training instead, where a recipe is chosen);
+an answer is right when it names the right word and not the other. `--system_prompt ''` puts an empty
 system turn first (the template's default system prompt is 16 of a prompt's 52 tokens). `--answer_form` writes the
 assistant turn in the form the instruct model already answers in (``This movie review is {answer}.``), so that what
 SFT's loss leaves to learn is the word, not the form. LoRA r 8 / alpha 16 on
@@ -41,7 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
-from llm_learning_curve import best_threshold_accuracy, read_results, read_sst2  # noqa: E402
+from llm_learning_curve import best_threshold_accuracy, load_data, read_results, read_sst2  # noqa: E402
 
 from hf_zo.demo.memory import PeakMemory  # noqa: E402
 from hf_zo.models import embedded_llm_path  # noqa: E402
@@ -79,6 +80,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=None, help="Also stop after this many optimizer steps.")
     parser.add_argument("--num_train", type=int, default=8192, help="Training sentences sampled from train.tsv.")
     parser.add_argument("--num_eval", type=int, default=None, help="Validation sentences answered (default: all).")
+    parser.add_argument(
+        "--heldout",
+        type=int,
+        default=None,
+        help="Answer this many held-out training sentences (of --heldout_min_words+ words) instead of validation: "
+        "where a recipe is chosen without looking at validation.",
+    )
+    parser.add_argument(
+        "--heldout_min_words", type=int, default=12, help="With --heldout: sentences as long as validation's."
+    )
+    parser.add_argument(
+        "--train_min_words",
+        type=int,
+        default=0,
+        help="Train only on SST-2 entries of at least this many words (its training set is mostly short phrases).",
+    )
+    parser.add_argument(
+        "--lr_scheduler_type",
+        default="constant",
+        help="The learning-rate schedule; 'linear' falls to zero at --max_steps (which it then needs).",
+    )
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument(
         "--peft", default="lora", choices=["lora", "ln"], help="LoRA r 8 on q/v, or LN tuning (every RMSNorm)."
@@ -116,7 +138,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--output", default="docs/images/sft_chat.json", help="Where the JSON goes.")
     parser.add_argument("--merge", nargs="*", default=None, help="Join these runs' JSON files into one.")
-    return parser.parse_args()
+    options = parser.parse_args()
+    if options.lr_scheduler_type != "constant" and options.max_steps is None:
+        parser.error(f"--lr_scheduler_type {options.lr_scheduler_type} needs --max_steps, the step its rate ends at.")
+    options.dataset = "sst2"  # `load_data`'s data set: SST-2 from --data_dir
+    return options
 
 
 def prompt_turns(sentence: str, system_prompt: str | None, question: str = QUESTION) -> list[dict]:
@@ -126,9 +152,9 @@ def prompt_turns(sentence: str, system_prompt: str | None, question: str = QUEST
 
 
 def chat_datasets(options: argparse.Namespace):
-    """The training examples (conversational prompt-completion) and the validation sentences."""
-    raw = read_sst2(options.data_dir)
-    train = raw["train"].shuffle(seed=options.seed).select(range(options.num_train))
+    """The training examples (conversational prompt-completion), the sentences answered (validation, or
+    `--heldout` training sentences kept out of training) and their description."""
+    train, evaluated, evaluated_on = load_data(options)
 
     def to_chat(row):
         return {
@@ -137,10 +163,10 @@ def chat_datasets(options: argparse.Namespace):
         }
 
     train = train.map(to_chat, remove_columns=train.column_names)
-    validation = raw["validation"]
-    if options.num_eval:
-        validation = validation.select(range(options.num_eval))
-    return train, validation
+    if options.num_eval and not options.heldout:
+        evaluated = evaluated.select(range(options.num_eval))
+        evaluated_on = f"SST-2 validation (the first {options.num_eval})"
+    return train, evaluated, evaluated_on
 
 
 class GenerationAccuracy:
@@ -241,9 +267,9 @@ def build_trainer(options, tokenizer, train):
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="hf_zo_sft_chat_"),
-        max_steps=10**6,
+        max_steps=options.max_steps or 10**6,
         per_device_train_batch_size=options.batch_size,
-        lr_scheduler_type="constant",
+        lr_scheduler_type=options.lr_scheduler_type,
         save_strategy="no",
         logging_steps=50,
         report_to=[],
@@ -297,8 +323,8 @@ def inference_peak(trainer, batches: int = 4) -> float:
 
 def run(options) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(options.model)
-    train, validation = chat_datasets(options)
-    score = GenerationAccuracy(tokenizer, validation, options.eval_batch_size, options.system_prompt)
+    train, evaluated, evaluated_on = chat_datasets(options)
+    score = GenerationAccuracy(tokenizer, evaluated, options.eval_batch_size, options.system_prompt)
     trainer = build_trainer(options, tokenizer, train)
     zero_shot = score(trainer.model)  # LoRA's B starts at zero: the adapter changes nothing yet
     print(json.dumps({"zero_shot": zero_shot}), flush=True)
@@ -331,7 +357,9 @@ def run(options) -> dict:
         "training_peak_mib": round(budget.step_peak_mib, 1),
         "training_over_inference_memory": round(budget.step_peak_mib / inference_mib, 3),
         "process_peak_mib": round(training.peak_mib, 1),  # over `trainer.train()`, evaluations included
-        "evaluated_on": f"SST-2 validation ({len(validation)})",
+        "lr_scheduler_type": options.lr_scheduler_type,
+        "train_min_words": options.train_min_words,
+        "evaluated_on": evaluated_on,
         "curve": curve,
     }
 
@@ -392,8 +420,9 @@ def table(results: list[dict]) -> str:
             f"{p['train_seconds'] / 60:.1f} min: {100 * p['accuracy']:.1f}% ({p['unclear']} unclear)"
             for p in r["curve"][1:]
         )
+        falling = " → 0" if r.get("lr_scheduler_type", "constant") == "linear" else ""
         rows.append(
-            f"| `{r['trainer']}` | {r['learning_rate']:g} | {r['steps']} | {r['seconds_per_step']:.2f} | "
+            f"| `{r['trainer']}` | {r['learning_rate']:g}{falling} | {r['steps']} | {r['seconds_per_step']:.2f} | "
             f"{100 * r['zero_shot_accuracy']:.1f}% | {points} | {r['training_peak_mib']:.0f} / "
             f"{r['inference_peak_mib']:.0f} MiB ({r['training_over_inference_memory']:.2f}x) |"
         )
