@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_example(name: str):
+    """examples/`name`.py as a module (it is a script, not part of a package)."""
     spec = importlib.util.spec_from_file_location(f"hf_zo_example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while they are built

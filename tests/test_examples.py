@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
+from launch_worker import load_example
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
 from hf_zo.training.defaults import lora_target_names
@@ -20,15 +19,7 @@ WORDS = "good great fine nice bad awful poor dull movie film plot it was terribl
 SPECIAL = ["<unk>", "<pad>", "</s>"]
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("hf_zo_example_train", os.path.join(ROOT, "examples", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train_script = load_example()
+train_script = load_example("train")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

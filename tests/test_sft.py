@@ -341,18 +341,11 @@ def test_example_script_trains_lora_on_local_chat_file(tmp_path):
         ([r".*\.q_proj"], r".*\.q_proj"),
     ],
 )
-def test_example_script_keeps_one_lora_target_a_module_name(modules, expected, monkeypatch):
+def test_example_script_keeps_one_lora_target_a_module_name(modules, expected):
     """TRL's `ModelConfig` collapses one `--lora_target_modules` value to a string, which PEFT reads as a regular
     expression; examples/sft.py keeps a single plain name a name, and passes `all-linear` and regexes on."""
-    import importlib.util
-    from pathlib import Path
-
+    from launch_worker import load_example
     from trl import ModelConfig
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "sft.py"
-    spec = importlib.util.spec_from_file_location("sft_example", path)
-    example = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclasses look their module up there
-    spec.loader.exec_module(example)
-    config = example.peft_config(ModelConfig(use_peft=True, lora_target_modules=modules))
+    config = load_example("sft").peft_config(ModelConfig(use_peft=True, lora_target_modules=modules))
     assert config.target_modules == expected

@@ -17,6 +17,7 @@ class ZOHeadsMixin:
     """
 
     def _init_zo_heads(self) -> None:
+        """No heads until the first `train()` call sets them up."""
         self.zo_heads = ZOHeads()
         self._zo_probed_model = None  # the model whose head `train()` has fitted (see `zo_head_init`)
 
