@@ -26,8 +26,11 @@ $(STAMP): $(BIN)/python pyproject.toml hf_zo/philox/philox.cpp hf_zo/philox/exte
 
 install: $(STAMP)
 
+# The suite starts dozens of Python processes (launches, crash and command-line tests). Where the environment sets
+# PYTHONDONTWRITEBYTECODE, each of them would compile torch's and transformers' sources again: here the first one
+# caches the bytecode and the others read it.
 test: install
-	$(BIN)/python -m pytest -q
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 
 demo: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m hf_zo.demo

@@ -177,18 +177,34 @@ ZOTrainer(model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(4))
 """
 
 
-@pytest.mark.parametrize(
-    "level, setup, shown",
-    [
-        ("info", "", True),  # a plain script: hf_zo's INFO records follow `log_level` like transformers' do
-        ("passive", "", False),
-        ("passive", "logging.basicConfig(level=logging.INFO)", True),  # the application's configuration rules
-        ("warning", "logging.basicConfig(level=logging.INFO)", False),
-    ],
-)
-def test_the_chosen_values_are_logged_at_the_trainers_log_level(tmp_path, level, setup, shown):
-    script = CHOICE_LOGGED.format(tests=str(Path(__file__).parent), out=str(tmp_path), level=level, setup=setup)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+LOG_LEVEL_CASES = [
+    ("info", "", True),  # a plain script: hf_zo's INFO records follow `log_level` like transformers' do
+    ("passive", "", False),
+    ("passive", "logging.basicConfig(level=logging.INFO)", True),  # the application's configuration rules
+    ("warning", "logging.basicConfig(level=logging.INFO)", False),
+]
+
+
+@pytest.fixture(scope="module")
+def log_level_runs(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Each case's script in a fresh interpreter (logging is process-wide state), all started at once: their
+    imports take most of their time and overlap on the cores."""
+    processes = {}
+    for level, setup, _ in LOG_LEVEL_CASES:
+        out = tmp_path_factory.mktemp("log_level")
+        script = CHOICE_LOGGED.format(tests=str(Path(__file__).parent), out=str(out), level=level, setup=setup)
+        command = [sys.executable, "-c", script]
+        processes[level, setup] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = {}
+    for case, process in processes.items():
+        stdout, stderr = process.communicate(timeout=300)
+        runs[case] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return runs
+
+
+@pytest.mark.parametrize("level, setup, shown", LOG_LEVEL_CASES)
+def test_the_chosen_values_are_logged_at_the_trainers_log_level(log_level_runs, level, setup, shown):
+    result = log_level_runs[level, setup]
     assert result.returncode == 0, result.stderr[-3000:]
     message = "ZOConfig: learning_rate=1e-06, zo_eps=0.001 for method 'full'"
     assert (message in result.stderr) == shown, result.stderr[-3000:]
