@@ -196,9 +196,14 @@ def log_level_runs(tmp_path_factory) -> dict[tuple[str, str], subprocess.Complet
         command = [sys.executable, "-c", script]
         processes[level, setup] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = {}
-    for case, process in processes.items():
-        stdout, stderr = process.communicate(timeout=300)
-        runs[case] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    try:
+        for case, process in processes.items():
+            stdout, stderr = process.communicate(timeout=300)
+            runs[case] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    finally:  # a case that timed out leaves no process behind
+        for process in processes.values():
+            process.kill()
+            process.wait()
     return runs
 
 
