@@ -17,11 +17,17 @@ regenerated on its own, by any thread, which makes the sweeps parallel and exact
 
 A sweep brings a tensor to ``decay * tensor + sum_j coeff_j * z(seed_j)`` in one pass over memory, a chunk at a
 time, so the only temporary is one chunk of noise per worker (none with the compiled kernel).
+
+With ``stochastic_rounding`` a bfloat16 tensor takes each of those operations in fp32 and is rounded to bfloat16
+stochastically (:func:`round_stochastically_`), so that an update far below half a unit in the last place is kept
+in expectation instead of rounded away. The random bits are counter-based noise too, keyed by the operation itself
+(:func:`rounding_seed`), so the result is as reproducible as ``z``: it depends on no chunking, thread or RNG state.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +60,9 @@ DEFAULT_TABLE_NUMEL = 1 << 23
 
 _MASK64 = (1 << 64) - 1
 
+ROUNDING_TAG = 0x5354_4F43_524F_554E
+"""Mixed into the seed of stochastic rounding's random bits, so they never coincide with a perturbation's ``z``."""
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -68,6 +77,14 @@ def mix_seed(*values: int) -> int:
     for v in values:
         h = _splitmix64(h ^ (int(v) & _MASK64))
     return h >> 1
+
+
+def rounding_seed(seed: int, factor: float) -> int:
+    """The seed of the random bits that stochastically round the operation ``p <- p + factor * z(seed)`` (or, for
+    a decay, ``p <- factor * p`` before the terms of `seed`): a pure function of the operation, so that a replay or a
+    resumed run rounds it with the same bits, and two operations of a run draw independent bits."""
+    (bits,) = struct.unpack("<q", struct.pack("<d", float(factor)))
+    return mix_seed(ROUNDING_TAG, seed, bits)
 
 
 def resolve_noise_algorithm(algorithm: str, device_type: str = "cpu") -> str:
@@ -157,6 +174,11 @@ class Noise:
             choice yields to the algorithm of a resumed run (:meth:`use_algorithm`).
         device_type (`str`, defaults to `"cpu"`):
             Where the perturbed tensors live, for `algorithm="auto"`.
+        stochastic_rounding (`bool`, defaults to `False`):
+            Round every operation of a sweep on a bfloat16 tensor stochastically (up with probability equal to the
+            fraction dropped), with random bits drawn from counter-based noise, instead of to the nearest: updates
+            smaller than half a unit in the last place are then kept in expectation. fp32 and fp64 tensors are
+            unaffected; a float16 tensor is refused (:meth:`check_tensors`).
     """
 
     def __init__(
@@ -169,6 +191,7 @@ class Noise:
         cache_numel: int = 0,
         algorithm: str = "auto",
         device_type: str = "cpu",
+        stochastic_rounding: bool = False,
     ):
         if distribution not in NOISE_DISTRIBUTIONS:
             raise ValueError(f"Unknown noise distribution {distribution!r}; choose one of {NOISE_DISTRIBUTIONS}.")
@@ -194,6 +217,9 @@ class Noise:
             algorithm = "torch"  # the table is drawn by torch's generator whatever the algorithm: no kernel to build
         self.algorithm = resolve_noise_algorithm(algorithm, device_type)
         self._check_kernel()
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self._rounding_bits: Noise | None = None
+        self._set_rounding_bits()
 
     @classmethod
     def like(cls, noise: Noise, *args, **kwargs) -> Noise:
@@ -209,6 +235,7 @@ class Noise:
             table_numel=noise.table_numel,
             table_seed=noise.table_seed,
             algorithm=noise.algorithm,
+            stochastic_rounding=noise.stochastic_rounding,
             **kwargs,
         )
         new.algorithm_is_automatic = noise.algorithm_is_automatic
@@ -221,6 +248,38 @@ class Noise:
         self.algorithm = algorithm
         self._cache.clear()
         self._check_kernel()
+        self._set_rounding_bits()
+
+    def _set_rounding_bits(self) -> None:
+        """The generator of stochastic rounding's random bits: plain Gaussian noise of this algorithm (whatever the
+        distribution: Rademacher's or a subclass's values would give no usable low bits)."""
+        self._rounding_bits = None
+        if self.stochastic_rounding:
+            self._rounding_bits = Noise(
+                "gaussian", chunk_numel=self.chunk_numel, num_workers=1, algorithm=self.algorithm
+            )
+
+    def check_tensors(self, tensors: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Raise if a sweep of these ``(index, tensor)`` pairs cannot honour `stochastic_rounding`, and warn if it
+        would change nothing.
+
+        Raises:
+            `ValueError`: stochastic rounding is on and a tensor is float16 (only bfloat16 is rounded this way).
+        """
+        if not self.stochastic_rounding:
+            return
+        dtypes = {tensor.dtype for _, tensor in tensors}
+        if torch.float16 in dtypes:
+            raise ValueError(
+                "stochastic_rounding (zo_stochastic_rounding) rounds bfloat16 weights only, but some trainable "
+                "weights are float16. Load the model with dtype=torch.bfloat16 (or torch.float32), or turn "
+                "stochastic rounding off and set zo_exact_restore=True."
+            )
+        if torch.bfloat16 not in dtypes:
+            _warn_once(
+                "zo_stochastic_rounding is on but no trainable weight is bfloat16, so it changes nothing: it rounds "
+                "the updates of bfloat16 weights only (fp32 weights keep small updates anyway)."
+            )
 
     def _check_kernel(self) -> None:
         if self.algorithm == "philox" and self.distribution != "table" and load_kernel() is None:
@@ -400,8 +459,13 @@ class Noise:
         """In place, ``chunk <- decay * chunk + sum(coeff * z(seed)[start:] for seed, coeff in terms)``.
 
         `chunk` is elements ``[start, start + chunk.numel())`` of parameter `index` (flat), `scratch` an fp32 buffer
-        of its size for the noise. Every sweep updates chunks this way, so all of them round alike.
+        of its size for the noise. Every sweep updates chunks this way, so all of them round alike: each operation
+        (the decay, then each term) rounds once to `chunk`'s dtype, so that the result does not depend on how the
+        operations are grouped into sweeps; stochastically for a bfloat16 chunk with `stochastic_rounding`.
         """
+        if self.stochastic_rounding and chunk.dtype in (torch.bfloat16, torch.float16):
+            self._update_chunk_stochastically_(chunk, scratch, index, start, decay, terms)
+            return
         if decay != 1.0:
             chunk.mul_(decay)
         for seed, coeff in terms:
@@ -413,6 +477,58 @@ class Noise:
                 chunk.add_(z.to(torch.promote_types(chunk.dtype, torch.float32)) * coeff)
             else:
                 chunk.add_(z, alpha=coeff)
+
+    def _update_chunk_stochastically_(
+        self,
+        chunk: torch.Tensor,
+        scratch: torch.Tensor,
+        index: int,
+        start: int,
+        decay: float,
+        terms: Sequence[tuple[int, float]],
+    ) -> None:
+        """:meth:`update_chunk_` of a bfloat16 `chunk`, each operation computed in fp32 and rounded stochastically
+        with the bits of :func:`rounding_seed` for that operation, at the chunk's elements of parameter `index`."""
+        if chunk.dtype != torch.bfloat16:
+            self.check_tensors([(index, chunk)])
+        value = self._value_buffer(scratch)
+        if decay != 1.0:
+            value.copy_(chunk).mul_(decay)
+            # The decay's bits are keyed by the first term that follows it too: the same decay recurs every step.
+            first = next((seed for seed, coeff in terms if coeff), 0)
+            self._round_into_(chunk, value, scratch, rounding_seed(first, decay), index, start)
+        for seed, coeff in terms:
+            if not coeff:
+                continue
+            z = self.chunk(scratch, seed, index, start)
+            # The product, then the sum, each rounded once in fp32: no fused multiply-add, which only some lanes of
+            # a vectorized loop would use, so every chunking gives the same value.
+            torch.mul(z, coeff, out=value)
+            value.add_(chunk)
+            self._round_into_(chunk, value, scratch, rounding_seed(seed, coeff), index, start)
+
+    def _value_buffer(self, scratch: torch.Tensor) -> torch.Tensor:
+        """A per-thread fp32 buffer of `scratch`'s size and device, for the value before rounding."""
+        buffers = getattr(self._local, "rounding_values", None)
+        if buffers is None:
+            buffers = self._local.rounding_values = {}
+        key = (scratch.device, scratch.numel())
+        if key not in buffers:
+            buffers[key] = torch.empty_like(scratch)
+        return buffers[key]
+
+    def _round_into_(
+        self, chunk: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor, seed: int, index: int, start: int
+    ) -> None:
+        """Write the fp32 `value` into the bfloat16 `chunk`, rounded stochastically with the random bits of `seed` at
+        elements ``[start, ...)`` of parameter `index` (`scratch` holds them; it is overwritten)."""
+        self._rounding_bits.fill_(scratch, seed, index, start)
+        bits = scratch.view(torch.int32)
+        # The low 16 bits of a Gaussian sample are nearly uniform, but measurably biased low (their mean is 0.2%
+        # under one half, as the rounding of the Box-Muller arithmetic leaves it); folded onto the sign, exponent and
+        # high mantissa bits they are uniform to within what 6.7e7 samples resolve (the mean and the upper tail).
+        bits.bitwise_xor_(bits >> 16).bitwise_and_(0xFFFF)
+        round_stochastically_(chunk, value, bits)
 
     def apply_(self, tensors: Sequence[tuple[int, torch.Tensor]], updates: Sequence[NoiseUpdate]) -> None:
         """Apply ``updates[k]`` to ``tensors[k] = (index, tensor)`` in place, in one sweep over memory."""
@@ -452,6 +568,71 @@ def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_contiguous():
         return tensor.data.view(-1)
     return tensor.data.contiguous().view(-1)
+
+
+def round_stochastically_(out: torch.Tensor, value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Write the fp32 `value` into the bfloat16 `out`, rounded stochastically by the 16-bit random integers `bits`.
+
+    bfloat16 is the upper half of fp32, so adding ``bits`` (uniform in ``[0, 2^16)``, an int32 tensor) to the fp32
+    bit pattern and clearing the low 16 bits rounds the magnitude up with probability equal to the fraction of a
+    bfloat16 unit that truncation drops, and down otherwise: the expected result is `value`, for either sign, across
+    binade boundaries and for subnormals. A value that bfloat16 holds exactly is kept; infinities and NaN stay.
+    `value` is overwritten.
+
+    Returns:
+        `torch.Tensor`: `out`.
+    """
+    pattern = value.view(torch.int32)
+    pattern.add_(bits).bitwise_and_(-(1 << 16))
+    return out.copy_(value)  # exact: the value is now a bfloat16 value
+
+
+def update_of(noise: Noise, index: int, before: torch.Tensor, update: NoiseUpdate) -> torch.Tensor:
+    """The change ``(decay - 1) * before + sum(coeff * z(seed))`` that `update` intends for parameter `index`, in
+    fp32, computed exactly as far as fp32 allows (no rounding to `before`'s dtype): what
+    :func:`kept_update` compares the applied change with.
+
+    Args:
+        noise (`Noise`): the noise of the run (the optimizer's `noise`).
+        index (`int`): the parameter's stable noise index.
+        before (`torch.Tensor`): the parameter before the update.
+        update (`NoiseUpdate`): the update, e.g. MeZO's ``NoiseUpdate(1 - lr * wd, {seed: -lr * g})``.
+
+    Returns:
+        `torch.Tensor`: fp32, of `before`'s shape.
+    """
+    intended = before.detach().float() * (update.decay - 1.0)
+    for seed, coeff in update.terms.items():
+        intended.add_(noise.sample(seed, index, before.shape, before.device), alpha=coeff)
+    return intended
+
+
+def kept_update(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], intended: Sequence[torch.Tensor]
+) -> float:
+    """The fraction of an intended update that the weights kept: ``<applied, intended> / <intended, intended>``
+    with ``applied = after - before``, summed over the tensors in float64.
+
+    About 1 when updates survive in expectation (fp32 weights, or bfloat16 with stochastic rounding), about 0 when
+    rounding drops them (bfloat16 rounded to nearest, for updates below half a unit in the last place).
+
+    Args:
+        before (`Sequence[torch.Tensor]`): the tensors before the update.
+        after (`Sequence[torch.Tensor]`): the same tensors after it.
+        intended (`Sequence[torch.Tensor]`): the change meant for each (see :func:`update_of`).
+
+    Returns:
+        `float`: the projection; NaN if the intended update is zero.
+    """
+    dot = norm = 0.0
+    for b, a, i in zip(before, after, intended, strict=True):
+        b, a, i = (t.detach().reshape(-1) for t in (b, a, i))
+        for start in range(0, i.numel(), DEFAULT_CHUNK_NUMEL):  # bounded float64 temporaries on big tensors
+            stop = start + DEFAULT_CHUNK_NUMEL
+            part = i[start:stop].double()
+            dot += float((a[start:stop].double() - b[start:stop].double()) @ part)
+            norm += float(part @ part)
+    return dot / norm if norm else float("nan")
 
 
 def perturb_(tensors: Sequence[tuple[int, torch.Tensor]], seed: int, scale: float, noise: Noise | None = None) -> None:
