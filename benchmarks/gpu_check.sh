@@ -20,7 +20,7 @@ fi
 
 if [ "${1:-}" = "--prepare" ]; then
     shift
-    exec "$PYTHON" benchmarks/gpu_carry.py "$@"
+    exec "$PYTHON" benchmarks/gpu_check.py --prepare "$@"
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from common import random_opt
+
 SHAPES = {
     "tiny": dict(hidden_size=128, num_hidden_layers=8, ffn_dim=512, num_attention_heads=4, vocab_size=1024),
     "small": dict(hidden_size=256, num_hidden_layers=16, ffn_dim=1024, num_attention_heads=4, vocab_size=4096),
@@ -49,18 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def build_model(shape: str, dtype=None):
     """A random OPT of the named shape, in eval mode."""
     import torch
-    from transformers import OPTConfig, OPTForCausalLM
 
-    torch.manual_seed(0)
-    hidden = SHAPES[shape]["hidden_size"]
-    config = OPTConfig(
-        **SHAPES[shape], word_embed_proj_dim=hidden, max_position_embeddings=2048, dropout=0.0, attention_dropout=0.0
-    )
-    if dtype is not None:
-        torch.set_default_dtype(dtype)
-    model = OPTForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
-    return model
+    return random_opt(SHAPES[shape], dtype=str(dtype or torch.float32).removeprefix("torch.")).eval()
 
 
 def block_and_resident_bytes(model) -> tuple[int, int]:

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import random_opt
+
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4, vocab_size=1024),
     "small": dict(hidden_size=256, num_hidden_layers=4, ffn_dim=1024, num_attention_heads=4, vocab_size=8192),
@@ -54,25 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_model(shape: str, lora: bool, device: str = "cpu", dtype: str = "float32"):
     """A random OPT of the named shape (optionally with LoRA r=8 on q_proj, v_proj), built on `device` in `dtype`."""
-    import torch
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(0)
-    config = OPTConfig(
-        **SHAPES[shape],
-        word_embed_proj_dim=SHAPES[shape]["hidden_size"],
-        max_position_embeddings=2048,
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    # Initialised where it will run: a 1.3B model's random init on the CPU alone costs more than its measurement.
-    with torch.device(device):
-        model = OPTForCausalLM(config).to(getattr(torch, dtype))
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    return model
+    return random_opt(SHAPES[shape], lora, device, dtype)
 
 
 def make_dataset(vocab_size: int, batch: int, length: int, steps: int):

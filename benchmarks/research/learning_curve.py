@@ -7,7 +7,7 @@ and evaluates on the full SST-2 validation set at regular points: once before th
 the linear probe) and every `budget / points` seconds of training after that. Writes the curves as JSON and one
 figure (accuracy against optimizer steps and against training seconds):
 
-    nice -n 10 python benchmarks/learning_curve.py --data_dir ../shared/data/sst2 --budget_minutes 20
+    nice -n 10 python -m benchmarks.research.learning_curve --data_dir examples/data/sst2 --budget_minutes 20
 
 `--heldout N` evaluates on N sentences held out of the *training* set instead of the validation set: use it to
 choose settings, so that the validation set is only ever used to report. `--quick` is a one-minute smoke run.
@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -59,12 +58,10 @@ from torch import nn
 from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy import load_sst2  # noqa: E402  (the sibling benchmark's SST-2 loader)
-
-from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier  # noqa: E402
-from hf_zo.metrics import build_compute_metrics  # noqa: E402
-from hf_zo.models import pool  # noqa: E402
+from benchmarks.common import SST2_DIR, load_sst2
+from hf_zo import PooledEncoderForSequenceClassification, ZOConfig, ZOTrainer, load_sequence_classifier
+from hf_zo.metrics import build_compute_metrics
+from hf_zo.models import pool
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 
@@ -104,7 +101,7 @@ VARIANTS: dict[str, dict] = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv and validation.tsv.")
     parser.add_argument(
         "--dataset", default="sst2", choices=["sst2", "imdb", "rotten_tomatoes"], help="sst2 from --data_dir."
     )
@@ -405,7 +402,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def table(results: list[dict]) -> str:
-    """The Markdown table of docs/accuracy.md: one row per variant."""
+    """The Markdown table of docs/results/accuracy.md: one row per variant."""
     rows = [
         "| variant | steps | s / step | accuracy at start | after the budget | best point | change over the run |",
         "| --- | --- | --- | --- | --- | --- | --- |",

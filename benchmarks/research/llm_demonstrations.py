@@ -13,11 +13,11 @@ In-context demonstrations (LM-BFF's, Gao et al. 2021) put one labelled example o
 
 For each candidate pair (the first, second, ... negative and positive training phrases of a length band, outside the
 held-out slice; both orders) this prints the embedded LLM's zero-shot accuracy on the held-out slice of
-`benchmarks/llm_learning_curve.py --heldout 400 --heldout_min_words 12`, the accuracy at the best threshold on the two
+`benchmarks/research/llm_learning_curve.py --heldout 400 --heldout_min_words 12`, the accuracy at the best threshold on the two
 label words' score difference (what correcting the words' bias alone reaches: ZO's first steps do that), and the
 prompt's added tokens, then writes them to `--output`::
 
-    python benchmarks/llm_demonstrations.py --output /tmp/demonstrations.json
+    python -m benchmarks.research.llm_demonstrations --output /tmp/demonstrations.json
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llm_learning_curve import TEMPLATES, best_threshold_accuracy, load_data  # noqa: E402
-
-from hf_zo.models import embedded_llm_path  # noqa: E402
-from hf_zo.prompts import PromptClassification  # noqa: E402
+from benchmarks.common import SST2_DIR
+from benchmarks.research.llm_learning_curve import TEMPLATES, best_threshold_accuracy, load_data
+from hf_zo.models import embedded_llm_path
+from hf_zo.prompts import PromptClassification
 
 TEMPLATE, LABEL_WORDS = TEMPLATES["review"]
 BANDS = ((6, 12), (12, 25))  # the demonstrations' length in words
@@ -42,7 +40,7 @@ BANDS = ((6, 12), (12, 25))  # the demonstrations' length in words
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
     parser.add_argument("--pairs", type=int, default=3, help="Candidate pairs per length band.")
     parser.add_argument("--heldout", type=int, default=400)

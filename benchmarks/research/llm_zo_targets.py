@@ -18,7 +18,7 @@ Then it prints, for candidate sets (LoRA on q and v; on q alone, and on q of lay
 task; on every linear layer; the RMSNorms), ``S``, ``N``, ``T`` and the best expected decrease per step (each group's
 own line gives them by band: ``q_proj:0`` is q_proj of layers 0-9)::
 
-    python benchmarks/llm_zo_targets.py --template review --output /tmp/zo_targets.json
+    python -m benchmarks.research.llm_zo_targets --template review --output /tmp/zo_targets.json
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llm_learning_curve import read_sst2, templates  # noqa: E402
-
-from hf_zo.models import embedded_llm_path  # noqa: E402
-from hf_zo.prompts import PromptClassification  # noqa: E402
+from benchmarks.common import SST2_DIR
+from benchmarks.research.llm_learning_curve import read_sst2, templates
+from hf_zo.models import embedded_llm_path
+from hf_zo.prompts import PromptClassification
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attention_norm"}
@@ -54,9 +52,9 @@ CANDIDATES = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
-    parser.add_argument("--template", default="review", help="A template of benchmarks/llm_learning_curve.py.")
+    parser.add_argument("--template", default="review", help="A template of benchmarks/research/llm_learning_curve.py.")
     parser.add_argument("--batches", type=int, default=12, help="Training batches whose gradients give S and N.")
     parser.add_argument("--samples", type=int, default=4, help="Gaussian directions per group for T.")
     parser.add_argument("--batch_size", type=int, default=16)

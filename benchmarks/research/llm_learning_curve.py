@@ -5,10 +5,10 @@ prompt (`hf_zo.prompts.PromptClassification`, MeZO's prompt-based classification
 budget of training (evaluation excluded), batch 16. Every variant starts from the model's zero-shot accuracy and is
 evaluated on the full SST-2 validation set (872 sentences) every `budget / points` seconds. Peak resident memory is
 measured over an evaluation pass at the training batch size (inference) and over training. Run one variant per
-process, then merge (the figure and the table of docs/accuracy.md)::
+process, then merge (the figure and the table of docs/results/accuracy.md)::
 
-    python benchmarks/llm_learning_curve.py --variants fzoo_lora --budget_minutes 20 --output /tmp/fzoo.json
-    python benchmarks/llm_learning_curve.py --merge /tmp/fzoo.json /tmp/adamw.json \\
+    python -m benchmarks.research.llm_learning_curve --variants fzoo_lora --budget_minutes 20 --output /tmp/fzoo.json
+    python -m benchmarks.research.llm_learning_curve --merge /tmp/fzoo.json /tmp/adamw.json \\
         --output docs/images/llm_learning_curve.json --figure docs/images/llm_learning_curve.png
 
 `--dataset rotten_tomatoes` runs the same on a second sentiment set (Rotten Tomatoes' 8,530 movie-review snippets, 872
@@ -32,7 +32,7 @@ LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora
 chooses others, `--set 'mezo_lora.lora_layers=[10, 11]'` the layers). `--template mezo` (default) is MeZO's
 `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` / ` negative`,
 ` positive`; `--template review_demos` is the review template after two demonstrations (one training phrase of
-each class, chosen on held-out sentences by benchmarks/llm_demonstrations.py); the others (`--zero_shot` compares
+each class, chosen on held-out sentences by benchmarks/research/llm_demonstrations.py); the others (`--zero_shot` compares
 them all, `--zero_shot_templates review,review_demos` some) include questions put through the model's chat template
 (`chat_question`, ...), the label word the first token of the answer. The learning rate is constant unless `--set`
 says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over
@@ -46,7 +46,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -54,16 +53,15 @@ import torch
 from datasets import DatasetDict, concatenate_datasets, load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from learning_curve import WallTimeBudget, read_movie_reviews  # noqa: E402  (the encoder benchmark's)
-
-from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
-from hf_zo.demo.memory import PeakMemory  # noqa: E402
-from hf_zo.metrics import build_compute_metrics  # noqa: E402
-from hf_zo.models import embedded_llm_path, norm_module_names  # noqa: E402
-from hf_zo.prompts import PromptClassification  # noqa: E402
-from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules  # noqa: E402
-from hf_zo.training.defaults import lora_target_names  # noqa: E402
+from benchmarks.common import SST2_DIR
+from benchmarks.research.learning_curve import WallTimeBudget, read_movie_reviews
+from hf_zo import ZOConfig, ZOTrainer
+from hf_zo.demo.memory import PeakMemory
+from hf_zo.metrics import build_compute_metrics
+from hf_zo.models import embedded_llm_path, norm_module_names
+from hf_zo.prompts import PromptClassification
+from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
+from hf_zo.training.defaults import lora_target_names
 
 TEMPLATES = {
     "mezo": ("{sentence} It was", (" terrible", " great")),
@@ -80,7 +78,7 @@ TEMPLATES = {
     "review_is": ("{sentence} The review is", (" negative", " positive")),
     "quoted_review": ('Movie review: "{sentence}"\nThe sentiment of this review is', (" negative", " positive")),
     # The review template after two demonstrations, one of each class (in-context examples, as LM-BFF's): SST-2
-    # training phrases outside the held-out slice, the pair and order chosen on it (benchmarks/llm_demonstrations.py).
+    # training phrases outside the held-out slice, the pair and order chosen on it (benchmarks/research/llm_demonstrations.py).
     "review_demos": (
         "Review: chai 's structure and pacing are disconcertingly slack .\nSentiment: negative\n\n"
         "Review: i liked about schmidt a lot ,\nSentiment: positive\n\n"
@@ -112,7 +110,7 @@ def templates(tokenizer) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-DEFAULT_SEED = 42  # the seed of every run in docs/accuracy.md that names none
+DEFAULT_SEED = 42  # the seed of every run in docs/results/accuracy.md that names none
 
 # name: what is trained ("lora" or "full"), by whom ("zo" or "adamw"), and the ZOConfig / TrainingArguments fields
 VARIANTS: dict[str, dict] = {
@@ -154,7 +152,7 @@ VARIANTS: dict[str, dict] = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data_dir", default="../shared/data/sst2", help="Folder with train.tsv and validation.tsv.")
+    parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv and validation.tsv.")
     parser.add_argument(
         "--dataset",
         default="sst2",
@@ -506,7 +504,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
 
 
 def table(results: list[dict]) -> str:
-    """The Markdown table of docs/accuracy.md: one row per run."""
+    """The Markdown table of docs/results/accuracy.md: one row per run."""
     rows = [
         "| variant | template | steps | s / step | zero-shot | after the budget | best point | peak memory "
         "(training / inference) |",
