@@ -10,18 +10,24 @@ mean-pooled embedding; the head is linear-probed, then trained first-order)::
         --peft lora --learning_rate 1e-4 --zo_eps 1e-2 --max_steps 1000 --output_dir minilm-sst2-zo
 
 Prompt-based classification the MeZO way on the embedded LLM (SmolLM2-135M-Instruct, offline: `hf-zo embedded-llm`
-prints its folder; LoRA on a prompt task trains with the estimator and rate measured best for it, FZOO at 6e-5,
-unless `--zo_optimizer` or `--learning_rate` is given: docs/prompts.md)::
+prints its folder), with the recipe measured best for LoRA on a prompt task (`--recipe prompt`: FZOO at 6e-5;
+docs/prompts.md)::
 
     python examples/train.py --model_name_or_path "$(hf-zo embedded-llm)" --task_name sst2 \
-        --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
-        --peft lora --max_steps 200 --output_dir smollm2-sst2-zo
+        --train_file examples/data/sst2/train.tsv --validation_file examples/data/sst2/validation.tsv \
+        --peft lora --recipe prompt --max_steps 200 --output_dir smollm2-sst2-zo
 
 Prompt-based classification the MeZO way (OPT scores " terrible" / " great" after "<sentence> It was")::
 
     accelerate launch examples/train.py --model_name_or_path facebook/opt-1.3b --task_name sst2 \
         --task_type prompt_classification --num_train 1000 --learning_rate 1e-6 --zo_eps 1e-3 \
         --max_steps 20000 --output_dir opt-sst2-mezo --push_to_hub
+
+The same on a 4-bit base (bitsandbytes, QLoRA's base: ZO trains the adapter only; docs/quantization.md)::
+
+    python examples/train.py --model_name_or_path "$(hf-zo embedded-llm)" --task_name sst2 \
+        --train_file sst2/train.tsv --validation_file sst2/validation.tsv --num_train 4096 \
+        --peft lora --load_in_4bit --max_steps 200 --output_dir smollm2-sst2-zo-4bit
 
 Causal LM on a text column::
 
@@ -59,7 +65,7 @@ from transformers.integrations import get_available_reporting_integrations
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
-from hf_zo.models import norm_module_names
+from hf_zo.models import base_quantization_config, norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
 from hf_zo.prompts import PROMPT_LOSSES, PROMPT_TASKS, PromptClassification, PromptTask
 from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
@@ -111,12 +117,37 @@ class ModelArguments:
             "thirds of the layers, hf_zo.training.prompt_lora_layers; else every layer)."
         },
     )
+    recipe: str = field(
+        default="none",
+        metadata={
+            "help": "prompt: the setting measured best for LoRA on a prompt task (hf_zo.training.PROMPT_ZO_DEFAULTS: "
+            "FZOO, 4 Rademacher estimates, lr 6e-5, eps 1e-2; flags given for these still win; docs/prompts.md). "
+            "none (the default): ZOConfig's defaults (MeZO's ZO-SGD, the rate and eps of the PEFT method).",
+            "choices": ["none", "prompt"],
+        },
+    )
     num_virtual_tokens: int = field(default=10, metadata={"help": "Virtual tokens of prefix and prompt tuning."})
     prompt_init_text: str | None = field(
         default=None, metadata={"help": "Initialise prompt tuning from this text (default: random)."}
     )
     torch_dtype: str = field(
         default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16"]}
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "Load the base in 4 bits with bitsandbytes (QLoRA's base; needs --peft: ZO trains the adapter and "
+            'never writes a quantized weight). Needs pip install "hf-zo[quant]"; see docs/quantization.md.'
+        },
+    )
+    load_in_8bit: bool = field(
+        default=False, metadata={"help": "Load the base in 8 bits with bitsandbytes (needs --peft)."}
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "The 4-bit data type of --load_in_4bit.", "choices": ["nf4", "fp4"]}
+    )
+    use_bnb_nested_quant: bool = field(
+        default=False, metadata={"help": "Quantize the 4-bit scales too (double quantization)."}
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -434,12 +465,24 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
         model = load_model(base_args, task_type, num_labels, tokenizer)
         return PeftModel.from_pretrained(model, adapter_path, is_trainable=trainable)
     dtype = getattr(torch, model_args.torch_dtype)
+    kwargs = {"dtype": dtype}
+    quantization = base_quantization_config(
+        load_in_4bit=model_args.load_in_4bit,
+        load_in_8bit=model_args.load_in_8bit,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+        use_bnb_nested_quant=model_args.use_bnb_nested_quant,
+        compute_dtype=dtype,
+    )
+    if quantization is not None:
+        # No peft.prepare_model_for_kbit_training: what it sets up (gradient checkpointing, inputs that require
+        # gradients) serves a backward pass, and PEFT already keeps the adapter in float32.
+        kwargs["quantization_config"] = quantization
     if task_type == "classification":
-        model = load_sequence_classifier(model_args.model_name_or_path, num_labels=num_labels, dtype=dtype)
+        model = load_sequence_classifier(model_args.model_name_or_path, num_labels=num_labels, **kwargs)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     if model_args.peft:
         from peft import get_peft_model
 
@@ -448,6 +491,24 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
 
 
 # ---------------------------------------------------------------------- main
+
+
+def check_prompt_recipe(model_args: ModelArguments, data: DataArguments, args: ZOConfig) -> None:
+    """`--recipe prompt` is measured for LoRA on a prompt task with FZOO, which runs on the sequential engine of one
+    process group; anything else fails here, naming the flag to change."""
+    if model_args.peft != "lora":
+        raise ValueError(f"--recipe prompt trains LoRA: add --peft lora (got --peft {model_args.peft}).")
+    if not is_prompt_task(model_args, data):
+        raise ValueError(
+            "--recipe prompt is for a prompt task (--task_type prompt_classification, or a causal LM with "
+            "--task_name): leave --recipe out for this run."
+        )
+    if args.zo_engine != "sequential" or args.zo_offload or args.zo_perturbation_parallel_size > 1:
+        raise ValueError(
+            "--recipe prompt trains with FZOO, which runs on the sequential engine without offload or perturbation "
+            "parallelism: leave --recipe out (MeZO's ZO-SGD runs them) or drop --zo_engine/--zo_offload/"
+            "--zo_perturbation_parallel_size."
+        )
 
 
 CONFIG_FILE_SUFFIXES = (".json", ".yaml", ".yml")
@@ -479,16 +540,10 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, ZOC
             action.required = action.required and action.dest not in values
         argv = argv[1:]
     model_args, data, args = parser.parse_args_into_dataclasses(argv)
-    flags = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    chosen = set(values) | {action.dest for action in parser._actions if flags & set(action.option_strings)}
-    # LoRA on a prompt task trains with the estimator measured best for it (hf_zo.training.PROMPT_ZO_DEFAULTS),
-    # unless the optimizer or a learning rate (one of MeZO's scale, most likely) was chosen, or the run asks for what
-    # only MeZO's two-point estimate does (the dual engine, offload, perturbation parallelism).
-    two_point = args.zo_engine != "sequential" or args.zo_offload or args.zo_perturbation_parallel_size > 1
-    chose_optimizer = bool(chosen & {"zo_optimizer", "learning_rate"})
-    recipe = model_args.peft == "lora" and not chose_optimizer and not two_point
-    if recipe and is_prompt_task(model_args, data):
-        parser.set_defaults(**{name: value for name, value in PROMPT_ZO_DEFAULTS.items() if name not in chosen})
+    if model_args.recipe == "prompt":
+        # The recipe's values are defaults: a flag (or a config file's value) given for one of them still wins.
+        check_prompt_recipe(model_args, data, args)
+        parser.set_defaults(**{name: value for name, value in PROMPT_ZO_DEFAULTS.items() if name not in values})
         model_args, data, args = parser.parse_args_into_dataclasses(argv)
     return model_args, data, args
 

@@ -427,33 +427,50 @@ def test_resume_from_checkpoint_true_continues_from_the_last_checkpoint(workspac
         run_example(workspace, tmp_path / "fresh", *flags, "--resume_from_checkpoint", "true")
 
 
-def test_a_prompt_task_trains_with_fzoo_unless_the_run_chooses_otherwise(workspace, tmp_path):
-    """`examples/train.py` gives LoRA on a prompt task `PROMPT_ZO_DEFAULTS`; a chosen optimizer or learning rate, or
-    an engine only MeZO's two-point estimate runs, keeps `ZOConfig`'s MeZO; other tasks and methods keep it too."""
+def test_the_prompt_recipe_is_a_named_choice(workspace, tmp_path):
+    """`--recipe prompt` gives LoRA on a prompt task `PROMPT_ZO_DEFAULTS`, each flag given for one of its fields
+    winning; without it every run keeps `ZOConfig`'s defaults, whichever flags were typed; where the recipe does not
+    apply, it fails naming the flag."""
     out = ["--output_dir", str(tmp_path / "out")]
     full = ["--model_name_or_path", str(workspace / "lm"), "--task_name", "sst2", *out]
     prompt = [*full, "--peft", "lora"]
 
     def estimator(*argv):
         args = train_script.parse_arguments(list(argv))[2]
-        return args.zo_optimizer, args.zo_num_perturbations, args.zo_noise
+        return args.zo_optimizer, args.zo_num_perturbations, args.zo_noise, args.learning_rate
 
-    assert estimator(*prompt) == ("fzoo", 4, "rademacher")
-    assert estimator(*prompt, "--zo_num_perturbations", "8") == ("fzoo", 8, "rademacher")
-    chosen = (["--zo_optimizer", "zo_sgd"], ["--zo_optimizer=zo_sgd"], ["--learning_rate", "1e-3"])
-    for flags in (*chosen, ["--zo_engine", "dual"]):
-        assert estimator(*prompt, *flags) == ("zo_sgd", 1, "gaussian"), flags
-    assert estimator(*full)[0] == "zo_sgd"  # full fine-tuning: FZOO's rate is measured for LoRA only
-    assert estimator("--model_name_or_path", str(workspace / "bert"), "--task_name", "sst2", *out)[0] == "zo_sgd"
+    assert estimator(*prompt)[:3] == ("zo_sgd", 1, "gaussian")
+    assert estimator(*prompt, "--zo_num_perturbations", "8")[:3] == ("zo_sgd", 8, "gaussian")
+    assert estimator(*prompt, "--recipe", "prompt") == ("fzoo", 4, "rademacher", 6e-5)
+    assert estimator(*prompt, "--recipe", "prompt", "--zo_num_perturbations", "8") == ("fzoo", 8, "rademacher", 6e-5)
+    assert estimator(*prompt, "--recipe=prompt", "--learning_rate", "1e-4") == ("fzoo", 4, "rademacher", 1e-4)
+    with pytest.raises(ValueError, match="add --peft lora"):
+        estimator(*full, "--recipe", "prompt")
+    with pytest.raises(ValueError, match="for a prompt task"):
+        estimator(
+            "--model_name_or_path",
+            str(workspace / "bert"),
+            "--task_name",
+            "sst2",
+            "--peft",
+            "lora",
+            *out,
+            "--recipe",
+            "prompt",
+        )
+    with pytest.raises(ValueError, match="sequential engine"):
+        estimator(*prompt, "--recipe", "prompt", "--zo_engine", "dual")
     config = tmp_path / "config.yaml"
-    config.write_text(f"model_name_or_path: {workspace / 'lm'}\ntask_name: sst2\npeft: lora\nzo_optimizer: zo_sgd\n")
-    assert estimator(str(config), *out) == ("zo_sgd", 1, "gaussian")
+    config.write_text(
+        f"model_name_or_path: {workspace / 'lm'}\ntask_name: sst2\npeft: lora\nrecipe: prompt\nzo_noise: gaussian\n"
+    )
+    assert estimator(str(config), *out) == ("fzoo", 4, "gaussian", 6e-5)
 
 
 def test_lora_layers_to_transform_and_the_frozen_blocks_below_them(workspace, tmp_path):
     flags = ["--model_name_or_path", str(workspace / "lm"), "--task_name", "sst2", "--peft", "lora"]
     flags += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
-    trainer, _ = run_example(workspace, tmp_path, *flags, "--lora_layers_to_transform", "1")
+    trainer, _ = run_example(workspace, tmp_path, *flags, "--recipe", "prompt", "--lora_layers_to_transform", "1")
     lora = [name for name, _ in trainer.model.named_parameters() if "lora" in name]
     assert {name.split(".layers.")[1].split(".")[0] for name in lora} == {"1"}
     prefix = trainer._zo_frozen_prefix[1]
