@@ -305,6 +305,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                     self._group_of.append(group_id)
         if not tensors:
             raise ValueError("The optimizer got no parameters: check that some have requires_grad=True.")
+        self.noise.check_tensors(tensors)
         self.params = LazyParameters(tensors, self.noise)
         exact_restore = self._exact_restore
         low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in tensors)
@@ -555,6 +556,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             "eps": self.eps,
             "noise": self.noise.distribution,
             "noise_algorithm": self.noise.algorithm,
+            "stochastic_rounding": self.noise.stochastic_rounding,
             "num_perturbations": self.num_perturbations,
             "num_skipped": self.num_skipped,
             "consecutive_skips": self.consecutive_skips,
@@ -580,6 +582,12 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                 "with the same zo_noise."
             )
         self._use_recorded_noise_algorithm(zo.get("noise_algorithm", LEGACY_NOISE_ALGORITHM))
+        if zo.get("stochastic_rounding", False) != self.noise.stochastic_rounding:
+            raise ValueError(
+                f"The checkpoint was trained with zo_stochastic_rounding={zo.get('stochastic_rounding', False)} but "
+                f"this run uses {self.noise.stochastic_rounding}; resume with the same zo_stochastic_rounding (or "
+                "start a new run from the checkpoint's weights)."
+            )
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zo"})
         self.seed = int(zo["seed"])
         self.zo_step = int(zo["step"])

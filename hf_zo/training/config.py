@@ -150,6 +150,12 @@ class ZOConfig(TrainingArguments):
             engine, when a trainable tensor is fp16/bf16 and the trainable tensors total at most 4M elements (PEFT);
             else off (with a warning about the drift when some trainable tensor is fp16/bf16). The optimizer makes
             this choice and the `"dual"` engine follows it.
+        zo_stochastic_rounding (`bool`, *optional*, defaults to `False`):
+            Round the sweeps of bfloat16 trainable weights stochastically instead of to the nearest, so that updates
+            smaller than half a unit in the last place (MeZO's rates on bf16 weights: lr * g * z about 1e-6 against a
+            weight near 0.02) are kept in expectation instead of lost. Its random bits are counter-based noise, so
+            resume and replay stay bitwise. For full fine-tuning of bf16 weights, with `zo_exact_restore=True`
+            (`"dual"`: one block copied). fp32 weights are unaffected; fp16 weights are refused.
         zo_offload (`str`, *optional*):
             Keep the blocks in `"cpu"` memory (pinned when CUDA is available) or on `"disk"` (memory-mapped
             safetensors files) and stream them to the working device; needs `zo_engine="dual"` and
@@ -270,6 +276,9 @@ class ZOConfig(TrainingArguments):
     )
     zo_exact_restore: bool | None = field(
         default=None, metadata={"help": "Restore weights from a copy (no bf16/fp16 drift); default: auto."}
+    )
+    zo_stochastic_rounding: bool = field(
+        default=False, metadata={"help": "Round bf16 weights' updates stochastically, so small updates are kept."}
     )
     zo_offload: str | None = field(
         default=None, metadata={"help": "Offload blocks to this tier.", "choices": list(OFFLOAD_TIERS)}
@@ -411,6 +420,8 @@ class ZOConfig(TrainingArguments):
                 f"Unknown zo_noise_algorithm {self.zo_noise_algorithm!r}; choose 'auto' or one of "
                 f"{list(NOISE_ALGORITHMS)}."
             )
+        if not isinstance(self.zo_stochastic_rounding, bool):
+            raise ValueError(f"zo_stochastic_rounding must be True or False, got {self.zo_stochastic_rounding!r}.")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:  # TrainingArguments leaves these to fail in the data loader

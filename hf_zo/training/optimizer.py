@@ -24,7 +24,12 @@ def build_zo_optimizer(
         lr=args.learning_rate,
         eps=args.zo_eps,
         weight_decay=args.weight_decay,
-        noise=Noise(args.zo_noise, algorithm=args.zo_noise_algorithm, device_type=device_type),
+        noise=Noise(
+            args.zo_noise,
+            algorithm=args.zo_noise_algorithm,
+            device_type=device_type,
+            stochastic_rounding=args.zo_stochastic_rounding,
+        ),
         num_perturbations=args.zo_num_perturbations,
         seed=args.zo_seed,
         max_consecutive_skips=args.zo_max_consecutive_skips,

@@ -192,6 +192,7 @@ class ZOTrajectory:
                     "algorithm": noise.algorithm,
                     "table_numel": noise.table_numel,
                     "table_seed": noise.table_seed,
+                    "stochastic_rounding": noise.stochastic_rounding,
                 },
                 "defaults": _to_json(optimizer.defaults),
             },
@@ -436,6 +437,7 @@ class ZOTrajectory:
         body_start = preamble + header_size
         header = json.loads(data[preamble:body_start].decode("utf-8"))
         header["optimizer"]["noise"].setdefault("algorithm", LEGACY_NOISE_ALGORITHM)  # version 1
+        header["optimizer"]["noise"].setdefault("stochastic_rounding", False)  # recorded since it exists
         tensors = data[body_start + body_size : body_start + body_size + tensor_size]
         stored = load_safetensors(zlib.decompress(tensors)) if tensors else {}
         trajectory = cls(
