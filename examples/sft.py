@@ -11,6 +11,9 @@ with rows such as ``{"prompt": [{"role": "user", ...}], "completion": [{"role": 
 the completion only). `--assistant_only_loss true` over `messages` rows needs a chat template with
 ``{% generation %}`` markers, which SmolLM2's lacks: TRL then refuses it, naming the template.
 
+On a 4-bit base (QLoRA's, bitsandbytes; docs/quantization.md) add `--load_in_4bit` (or `--load_in_8bit`) to
+`--use_peft`.
+
 Leave `--learning_rate` and `--zo_eps` unset for ZO's defaults by method (docs/hyperparameters.md). The trained
 adapter (with `--use_peft`) or model is saved in `--output_dir`. See docs/trl.md.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from datasets import load_dataset
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from hf_zo import ZOSFTConfig, ZOSFTTrainer
 
@@ -75,6 +78,11 @@ def main(script_args, training_args, model_args, file_args) -> ZOSFTTrainer:
         dtype=model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     )
+    # --load_in_4bit / --load_in_8bit: a bitsandbytes base, as TRL's sft.py loads it (with --use_peft: ZO trains the
+    # adapter, in float32, and never writes a quantized weight).
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:
+        training_args.model_init_kwargs["quantization_config"] = quantization_config
     train_dataset, eval_dataset = load_data(script_args, file_args)
     trainer = ZOSFTTrainer(
         model=model_args.model_name_or_path,

@@ -221,15 +221,21 @@ def _load_base(base: str, trajectory: ZOTrajectory, revision: str | None) -> tor
     dtype = getattr(torch, described.get("dtype") or "float32")
     config = described.get("config")
     if config is not None:
+        # A quantized base is quantized again from BASE's weights (trajectory.quantization_config), not read as
+        # weights quantized already.
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
         config = model_class.config_class.from_dict(config)
+    quantization = trajectory.quantization_config
     if described["peft"] and os.path.isfile(os.path.join(base, "adapter_config.json")):
         # An adapter saved before training (how trajectories of format version 1 replay): load it onto its base.
         from peft import PeftConfig, PeftModel
 
         adapter_config = PeftConfig.from_pretrained(base, revision=revision)
-        model = _load_pretrained(model_class, adapter_config.base_model_name_or_path, config, None, dtype)
+        model = _load_pretrained(
+            model_class, adapter_config.base_model_name_or_path, config, None, dtype, quantization
+        )
         return PeftModel.from_pretrained(model, base, revision=revision, is_trainable=True)
-    return _load_pretrained(model_class, base, config, revision, dtype)
+    return _load_pretrained(model_class, base, config, revision, dtype, quantization)
 
 
 def _model_class(name: str) -> type:
@@ -247,11 +253,16 @@ def _model_class(name: str) -> type:
 
 
 def _load_pretrained(
-    model_class: type, base: str, config: PreTrainedConfig | None, revision: str | None, dtype: torch.dtype
+    model_class: type,
+    base: str,
+    config: PreTrainedConfig | None,
+    revision: str | None,
+    dtype: torch.dtype,
+    quantization_config=None,
 ) -> torch.nn.Module:
-    """`base` loaded as the run loaded it: with `from_pretrained`, or, for a head put on the pooling of a sentence
-    encoder's checkpoint (what `hf_zo.load_sequence_classifier` does), the encoder with a head of the recorded
-    pooling and labels."""
+    """`base` loaded as the run loaded it: with `from_pretrained` (quantized by `quantization_config` if the run's
+    base was), or, for a head put on the pooling of a sentence encoder's checkpoint (what
+    `hf_zo.load_sequence_classifier` does), the encoder with a head of the recorded pooling and labels."""
     if isinstance(config, PooledEncoderConfig) and not isinstance(
         AutoConfig.from_pretrained(base, revision=revision), PooledEncoderConfig
     ):
@@ -266,6 +277,10 @@ def _load_pretrained(
             problem_type=config.problem_type,
             revision=revision,
             dtype=dtype,
+        )
+    if quantization_config is not None:
+        return model_class.from_pretrained(
+            base, revision=revision, dtype=dtype, config=config, quantization_config=quantization_config
         )
     return model_class.from_pretrained(base, revision=revision, dtype=dtype, config=config)
 

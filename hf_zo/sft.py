@@ -21,10 +21,17 @@ except ImportError as error:
         'ZOSFTTrainer and ZOSFTConfig need TRL, which is not installed: pip install "hf_zo[trl]"'
     ) from error
 
+from .models.quantized import is_quantized
 from .trainer import ZOTrainerMixin
 from .training import ZOConfig
 
-__all__ = ["ZOSFTConfig", "ZOSFTTrainer", "check_sft_options", "labelled_positions_only_on_cpu"]
+__all__ = [
+    "ZOSFTConfig",
+    "ZOSFTTrainer",
+    "adapter_back_to_float32",
+    "check_sft_options",
+    "labelled_positions_only_on_cpu",
+]
 
 
 @contextlib.contextmanager
@@ -47,6 +54,26 @@ def labelled_positions_only_on_cpu():
         yield
     finally:
         trl_utils._use_triton = chooses_compact
+
+
+def adapter_back_to_float32(model: torch.nn.Module) -> list[str]:
+    """Cast back to float32 the trainable tensors of a quantized base's adapter that `SFTTrainer` cast to bfloat16.
+
+    On a quantized base (QLoRA) `SFTTrainer` casts the adapter to bfloat16, following the QLoRA paper's recipe for
+    first-order training. ZO moves every trainable weight by ``±eps z`` and back, and adds updates of the order of the
+    learning rate: in bfloat16 (8 bits of mantissa) those moves round, and small updates vanish. PEFT itself keeps
+    a quantized base's adapter in float32, which this restores (the values are those of the cast, so a run starts the
+    same each time).
+
+    Returns:
+        `list[str]`: the names of the tensors cast back.
+    """
+    cast = []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and parameter.dtype == torch.bfloat16:
+            parameter.data = parameter.data.to(torch.float32)
+            cast.append(name)
+    return cast
 
 
 def check_sft_options(args: SFTConfig) -> None:
@@ -112,6 +139,13 @@ class ZOSFTTrainer(ZOTrainerMixin, SFTTrainer):
     _tag_names = [*ZOTrainerMixin._tag_names, *SFTTrainer._tag_names]
     _zo_config_class = ZOSFTConfig
     _zo_forwards: int | None = None  # forwards of the current ZO micro-batch; None outside training_step
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """`ZOTrainerMixin.create_accelerator_and_postprocess`, after undoing the bfloat16 cast `SFTTrainer` gives the
+        adapter of a quantized base (:func:`adapter_back_to_float32`)."""
+        if self._zo_model_pending and self.model is not None and is_quantized(self.model):
+            adapter_back_to_float32(self.model)
+        super().create_accelerator_and_postprocess()
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """`ZOTrainerMixin.training_step`, counting its forwards so that SFT's metrics are recorded once."""

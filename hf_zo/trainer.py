@@ -26,7 +26,12 @@ from .optim import ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
 from .training.arguments import prepare_zo_args
 from .training.checkpointing import ZOCheckpointingMixin
-from .training.checks import check_output_dir_is_not_the_model, check_train_dataset, check_trainable
+from .training.checks import (
+    check_output_dir_is_not_the_model,
+    check_quantized_base,
+    check_train_dataset,
+    check_trainable,
+)
 from .training.heads import ZOHeadsMixin
 from .training.layout import ZOLayoutMixin
 from .training.optimizer import build_zo_optimizer
@@ -116,6 +121,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOHeadsMixin, ZOSamplingMixin, ZOLayo
             return
         if self._zo_training_in_view:
             check_trainable(self.model)
+            check_quantized_base(self.model, self.zo_plugin.offload)
         self._prepare_zo_model(self.model, self.args.device)
 
     def _check_zo_train_dataset(self) -> None:
@@ -226,6 +232,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOHeadsMixin, ZOSamplingMixin, ZOLayo
         if model_init is not None:
             self._reinit_zo_model(trial)
         check_trainable(self.model)
+        check_quantized_base(self.model, self.zo_plugin.offload)
         check_output_dir_is_not_the_model(self.model, self.args.output_dir)
         self._prepare_zo_checkpoints(resume_from_checkpoint)
         self._setup_zo_heads(resume_from_checkpoint)

@@ -1,5 +1,5 @@
-"""Model code that is not zeroth-order: pooled sentence-encoder classifiers, the norm-layer finder, and the embedded
-causal LM."""
+"""Model code that is not zeroth-order: pooled sentence-encoder classifiers, the norm-layer finder, the embedded
+causal LM, and quantized bases through transformers' own quantization config (bitsandbytes)."""
 
 from .norm_layers import is_norm_module, norm_module_names
 from .pooled_classifier import (
@@ -11,6 +11,15 @@ from .pooled_classifier import (
     pooling_mismatch,
     read_pooling_config,
 )
+from .quantized import (
+    QUANTIZATION_INSTALL,
+    SUPPORTED_QUANT_METHODS,
+    base_quantization_config,
+    is_quantized,
+    quant_method,
+    quantization_config_from_record,
+    quantization_record,
+)
 from .smollm2 import EMBEDDED_LLM_ID, EMBEDDED_LLM_INSTALL, embedded_llm_path
 
 __all__ = [
@@ -18,12 +27,19 @@ __all__ = [
     "EMBEDDED_LLM_INSTALL",
     "embedded_llm_path",
     "POOLING_MODES",
+    "QUANTIZATION_INSTALL",
+    "SUPPORTED_QUANT_METHODS",
     "PooledEncoderConfig",
     "PooledEncoderForSequenceClassification",
+    "base_quantization_config",
     "is_norm_module",
+    "is_quantized",
     "load_sequence_classifier",
     "norm_module_names",
     "pool",
     "pooling_mismatch",
+    "quant_method",
+    "quantization_config_from_record",
+    "quantization_record",
     "read_pooling_config",
 ]

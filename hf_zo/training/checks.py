@@ -14,6 +14,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from ..models.quantized import SUPPORTED_QUANT_METHODS, quant_method, quantization_record
 from ..optim import ZOOptimizer
 from ..parallel.mesh import ZOMesh
 
@@ -23,6 +24,7 @@ __all__ = [
     "check_optimizer_leaves_out_heads",
     "check_output_dir_is_not_the_model",
     "check_parallel_mode",
+    "check_quantized_base",
     "check_sampling_fits_layout",
     "check_train_dataset",
     "check_trainable",
@@ -37,6 +39,44 @@ def check_trainable(model: torch.nn.Module) -> None:
             "for ZO to update. For PEFT, wrap the model with peft.get_peft_model(model, config); for full "
             "fine-tuning, call model.requires_grad_(True)."
         )
+
+
+def check_quantized_base(model: torch.nn.Module, offload: str | None) -> None:
+    """Fail when `model` has a quantized base that ZO cannot train on: one quantized by another library than
+    bitsandbytes (`SUPPORTED_QUANT_METHODS`: the others' weight tensors are not tested, and torchao's cannot be read
+    as plain tensors), one without a PEFT adapter (full-parameter ZO would perturb the full-precision remainder,
+    embeddings and norms, and none of the quantized weights, which cannot take a small update), or one whose blocks
+    are offloaded (`offload`: the storage tiers copy plain tensors, not quantized ones with their scales). A PEFT
+    adapter on a bitsandbytes base trains: ZO perturbs the adapter only, in full precision, and no quantized weight
+    is ever written."""
+    method = quant_method(model)
+    if method is None:
+        return
+    if method not in SUPPORTED_QUANT_METHODS:
+        raise ValueError(
+            f"{type(model).__name__} is quantized with {method}, and ZO supports bases quantized with "
+            f"{list(SUPPORTED_QUANT_METHODS)} only. Load it with BitsAndBytesConfig(load_in_8bit=True) or "
+            "BitsAndBytesConfig(load_in_4bit=True) instead (--load_in_8bit / --load_in_4bit in the examples)."
+        )
+    if not hasattr(model, "peft_config"):
+        raise ValueError(
+            f"{type(model).__name__} is quantized ({_quantization_name(model)}), and full-parameter ZO cannot train "
+            "a quantized base: its 4-bit or 8-bit weights cannot take a small update. Train an adapter on it, as "
+            "QLoRA does: peft.get_peft_model(model, LoraConfig(...)), `--peft lora` in examples/train.py, "
+            "`--use_peft` in examples/sft.py; or load the model in full precision (no quantization_config)."
+        )
+    if offload is not None:
+        raise ValueError(
+            f"zo_offload={offload!r} cannot store the blocks of a quantized base ({_quantization_name(model)}): the "
+            "offload tiers copy plain tensors, not quantized weights with their scales. Set zo_offload=None (the "
+            "quantized base is what keeps the model small), or load the model in full precision."
+        )
+
+
+def _quantization_name(model: torch.nn.Module) -> str:
+    record = quantization_record(model) or {}
+    bits = "4-bit" if record.get("load_in_4bit") else "8-bit" if record.get("load_in_8bit") else None
+    return " ".join(filter(None, [quant_method(model), bits]))
 
 
 def check_parallel_mode(args: TrainingArguments, world_size: int) -> None:

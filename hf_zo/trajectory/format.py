@@ -42,7 +42,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from ..estimator import ZORecord
+from ..models.quantized import quantization_config_from_record, quantization_record
 from ..noise import LEGACY_NOISE_ALGORITHM
+from ..offload import MappedPages
 from ..optim import ZO_OPTIMIZERS, ZOOptimizer
 from .base import frozen_fingerprint, initial_tensors_not_in_base
 
@@ -300,6 +302,14 @@ class ZOTrajectory:
         return FORMAT_VERSION if self._has_curvatures else _VERSION_WITHOUT_CURVATURES
 
     @property
+    def quantization_config(self):
+        """The quantization config the base model was loaded with (a transformers `BitsAndBytesConfig`,
+        `TorchAoConfig`, ...), or `None` for a base in full precision: load the base for a replay with
+        `from_pretrained(base, quantization_config=trajectory.quantization_config)`."""
+        record = self.header["base_model"].get("quantization")
+        return None if record is None else quantization_config_from_record(record)
+
+    @property
     def body_bytes(self) -> int:
         """Size of the encoded steps in bytes (the file adds the header, the tensors, a 32-byte preamble and a
         32-byte digest)."""
@@ -498,6 +508,8 @@ class ZOTrajectory:
                 "This trajectory has no 'end' checksum: it was saved without the trained model (ZOTrainer.save_model "
                 "adds one)."
             )
+        if stage == "start":
+            self._verify_quantization(model)
         actual = checksum(trajectory_tensors(model, self.header))
         if actual["sha256"] == expected["sha256"]:
             if stage == "start":
@@ -522,6 +534,24 @@ class ZOTrajectory:
             f"This model is not the base the trajectory was recorded on: {len(differ)} of "
             f"{len(expected['parameters'])} trainable parameters differ ({listed}). Load {load}, or pass "
             "verify=False (hf-zo replay --no-verify) to replay anyway (the result will not match the trained weights)."
+        )
+
+    def _verify_quantization(self, model: torch.nn.Module) -> None:
+        """Fail when `model`'s base is not quantized as the recorded one was (the adapter replays the same either
+        way, but it was trained to work with that base)."""
+        expected = self.header["base_model"].get("quantization")
+        actual = quantization_record(model)
+        if actual == expected:
+            return
+        name = self.header["base_model"]["name_or_path"] or "the base"
+        if expected is None:
+            fix = f"Load {name!r} without a quantization_config"
+        else:
+            fix = f"Load {name!r} with from_pretrained(..., quantization_config=trajectory.quantization_config)"
+        raise TrajectoryMismatchError(
+            f"The base model is quantized as {_quantization_summary(actual)}, but the run trained on a base "
+            f"quantized as {_quantization_summary(expected)}. {fix} (hf-zo replay does), or pass verify=False "
+            "(hf-zo replay --no-verify) to replay anyway."
         )
 
     def _verify_frozen(self, model: torch.nn.Module) -> None:
@@ -611,11 +641,14 @@ def _listed(names: list[str]) -> str:
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> dict:
-    """SHA-256 of each tensor's bytes (first 16 hex digits) and of all of them, in the given order."""
-    digests, total = {}, hashlib.sha256()
+    """SHA-256 of each tensor's bytes (first 16 hex digits) and of all of them, in the given order.
+
+    The pages of offloaded tensors (the disk tier) are handed back once read, so the checksum holds one tensor."""
+    digests, total, pages = {}, hashlib.sha256(), MappedPages()
     for name, tensor in tensors.items():
         flat = tensor.detach().contiguous().view(-1).cpu()
         digest = hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()[:16]
+        pages.release(tensor)
         digests[name] = digest
         total.update(f"{name}:{digest}\n".encode())
     return {"sha256": total.hexdigest(), "parameters": digests}
@@ -634,9 +667,23 @@ def _describe_model(model: torch.nn.Module) -> dict:
         "model_class": type(base).__name__,
         "dtype": _dtype_name(base.dtype) if isinstance(getattr(base, "dtype", None), torch.dtype) else None,
         "peft": peft,
+        # The quantization config the base was loaded with (None: full precision), for the replay to load it alike.
+        "quantization": quantization_record(model),
         # What from_pretrained(base) alone would not set (num_labels, pad_token_id, ...), for the replay to load with.
         "config": _to_json(config.to_diff_dict()) if hasattr(config, "to_diff_dict") else None,
     }
+
+
+def _quantization_summary(record: dict | None) -> str:
+    """A short name of a quantization record: `"bitsandbytes 4-bit nf4"`, `"torchao"`, `"none (full precision)"`."""
+    if record is None:
+        return "none (full precision)"
+    method = record.get("quant_method", "unknown")
+    if record.get("load_in_4bit"):
+        return f"{method} 4-bit {record.get('bnb_4bit_quant_type')}"
+    if record.get("load_in_8bit"):
+        return f"{method} 8-bit"
+    return str(method)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
