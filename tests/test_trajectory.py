@@ -7,6 +7,7 @@ probe and trained first-order, a PEFT adapter) start from the saved base folder 
 import copy
 import hashlib
 import json
+import logging
 import math
 import shutil
 import struct
@@ -177,6 +178,24 @@ def test_replay_of_stateful_optimizer_is_bitwise(tmp_path):
     base = tiny_causal_lm("gpt2")
     trainer = _train(copy.deepcopy(base), tmp_path, zo_optimizer="zo_adam", max_steps=4, save_strategy="no")
     replay(base, tmp_path / TRAJECTORY_NAME)
+    _assert_bitwise(_trainable(base), _trainable(trainer.model))
+
+
+def test_replay_of_an_fzoo_run_is_bitwise_and_prints_nothing_meant_for_a_training_loop(tmp_path, caplog):
+    base = tiny_causal_lm("opt")
+    trainer = _train(
+        copy.deepcopy(base),
+        tmp_path,
+        zo_optimizer="fzoo",
+        zo_num_perturbations=2,
+        learning_rate=1e-5,
+        zo_eps=1e-3,
+        max_steps=3,
+        save_strategy="no",
+    )
+    with caplog.at_level(logging.WARNING, logger="hf_zo"):
+        replay(base, tmp_path / TRAJECTORY_NAME)
+    assert "without a closure" not in caplog.text
     _assert_bitwise(_trainable(base), _trainable(trainer.model))
 
 

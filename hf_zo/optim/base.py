@@ -267,6 +267,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.consecutive_skips = 0
         self.records: list[ZORecord] = []
         self._num_estimates = 0
+        self._num_swept = 0  # estimates whose sweeps ran since the last step, counted here or not (another rank's)
         self._last_closure: Closure | None = None
         self._warned_empty_step = False
         self._update_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -424,6 +425,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
 
     def _start_estimate(self, k: int, counted: bool) -> int:
         """The seed of estimate `k` of this step, counted among this process's estimates if `counted`."""
+        self._num_swept += 1
         if counted:
             self._num_estimates += 1
         return self.perturbation_seed(self.zo_step, k)
@@ -467,7 +469,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         """
         if closure is not None:
             self.estimate(closure)
-        elif self._num_estimates == 0 and not self._warned_empty_step:
+        elif self._num_swept == 0 and not self.records and not self._warned_empty_step:
+            # Not when the sweeps ran without forwards here and the records came from elsewhere (a peer's
+            # micro-batches, a replayed trajectory): only a training loop that forgot its closure updates nothing.
             self._warned_empty_step = True
             logger.warning(
                 "%s.step() was called without a closure and with no estimate since the last step, so it updates "
@@ -485,7 +489,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             seeds = [self.perturbation_seed(self.zo_step, k) for k in range(self._num_estimates)]
             for hook in list(self._update_hooks.values()):
                 hook(self, self.zo_step, seeds, records)
-        self._num_estimates = 0
+        self._num_estimates = self._num_swept = 0
         self.zo_step += 1
         return loss
 
@@ -593,7 +597,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.zo_step = int(zo["step"])
         self.num_skipped = int(zo["num_skipped"])
         self.consecutive_skips = int(zo["consecutive_skips"])
-        self.records, self._num_estimates = [], 0
+        self.records, self._num_estimates, self._num_swept = [], 0, 0
 
     def _use_recorded_noise_algorithm(self, recorded: str) -> None:
         """Continue a checkpoint with the noise algorithm it was trained with, or refuse with the reason."""
