@@ -22,7 +22,8 @@ Each mode prints one JSON line:
   `/proc/self/status` (`VmRSS`: anonymous and file-backed pages, so memory-mapped weights count) on a thread;
   `vm_hwm_mib` is the kernel's own peak (`VmHWM`, reset when the mode starts), `peak_rss_anon_mib` and
   `peak_rss_file_mib` the parts at the sampled peak.
-- `s_per_step`: the mean step time after the first (the first pages weights in; it is `s_first_step`).
+- `s_per_step`: the mean step time after the first (the first pages weights in; it is `s_first_step`, and with
+  `--steps 1` also `s_per_step`).
 - `loss_first`, `loss_last`: the logged losses of the first and last steps (`logging_steps=1`).
 - `kept_update`: the last update as applied, projected on the update intended, ``<applied, intended> / <intended,
   intended>`` over a sample of trainable tensors of the middle block (at most 2^25 elements): about 1 when updates
@@ -384,7 +385,7 @@ def step_limit(mode: str, model, optimizer, blocks, config, tokens: int, machine
     block_bytes = sum(t.nbytes for t in trained if id(t) in in_blocks)
     rest_bytes = sum(t.nbytes for t in trained if id(t) not in in_blocks)
     embedding = model.get_input_embeddings().weight
-    forward_bytes = sum(p.nbytes for p in model.parameters() if p is not embedding)
+    forward_bytes = sum(_stored_bytes(p) for p in model.parameters() if p is not embedding)
     block_sweeps, rest_sweeps = sweeps_per_step(bool(optimizer.engine.exact_restore))
     memory_bytes = 2 * forward_bytes + 2 * (block_sweeps * block_bytes + rest_sweeps * rest_bytes)
     matmul_params = _matmul_params(config)
@@ -500,6 +501,13 @@ def run_mode(mode: str, args) -> dict:
     return record
 
 
+def _stored_bytes(param) -> int:
+    """Bytes a forward reads of a parameter: a 4-bit weight's packed bytes and its block scales."""
+    quant_state = getattr(param, "quant_state", None)
+    absmax = getattr(quant_state, "absmax", None)
+    return param.nbytes + (absmax.nbytes if absmax is not None else 0)
+
+
 def _logical_numel(param) -> int:
     """Elements of a parameter as the model sees them (a packed 4-bit weight holds two per byte)."""
     quant_state = getattr(param, "quant_state", None)
@@ -520,7 +528,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", nargs="+", choices=list(MODES), default=["bf16"], help="What is trained, and where.")
     parser.add_argument("--shape", choices=list(SHAPES), default="7b")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="ZO steps; the first pages the weights in.")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument(
