@@ -108,24 +108,28 @@ def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
     if shutil.disk_usage(folder).free < 2 * nbytes:
         raise OSError(f"{folder} has too little free space for a {nbytes / 2**20:.0f} MiB bandwidth probe.")
     path = folder / f".bandwidth-probe-{os.getpid()}"
-    chunk = os.urandom(min(nbytes, 16 << 20))  # random bytes: a compressing file system cannot shortcut them
+    chunk = memoryview(os.urandom(min(nbytes, 16 << 20)))  # random: a compressing file system cannot shortcut it
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        start = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            written += os.write(fd, chunk[: nbytes - written])
-        os.fsync(fd)
-        write_s = time.perf_counter() - start
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after fsync, so the pages go
-        os.close(fd)
+        try:
+            start = time.perf_counter()
+            written = 0
+            while written < nbytes:
+                written += os.write(fd, chunk[: nbytes - written])
+            os.fsync(fd)
+            write_s = time.perf_counter() - start
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean after fsync, so the pages go
+        finally:
+            os.close(fd)
         fd = os.open(path, os.O_RDONLY)
-        buffer = bytearray(len(chunk))
-        start = time.perf_counter()
-        while os.readv(fd, [buffer]):
-            pass
-        read_s = time.perf_counter() - start
-        os.close(fd)
+        try:
+            buffer = bytearray(len(chunk))
+            start = time.perf_counter()
+            while os.readv(fd, [buffer]):
+                pass
+            read_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
     finally:
         path.unlink(missing_ok=True)
     return nbytes / write_s, nbytes / read_s
