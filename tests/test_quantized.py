@@ -176,3 +176,63 @@ def test_quantization_configs_from_flags_and_records(base_dir):
         base_quantization_config(load_in_4bit=True, load_in_8bit=True)
     with pytest.raises(ValueError, match=r"bnb_4bit_quant_type must be one of \['nf4', 'fp4'\], got 'int4'"):
         base_quantization_config(load_in_4bit=True, bnb_4bit_quant_type="int4")
+
+
+@pytest.fixture(scope="module")
+def example_workspace(tmp_path_factory):
+    """The tiny Llama with the examples' word-level tokenizer, and SST-2-shaped training and validation files."""
+    from test_examples import sentences, tiny_tokenizer, write_tsv
+
+    root = tmp_path_factory.mktemp("quantized_example")
+    tiny_causal_lm("llama").save_pretrained(root / "llama")
+    tiny_tokenizer().save_pretrained(root / "llama")
+    write_tsv(root / "train.tsv", sentences(16, seed=0))
+    write_tsv(root / "validation.tsv", sentences(8, seed=1))
+    return root
+
+
+def _run_train_example(workspace, tmp_path, *extra):
+    from test_examples import train_script
+
+    argv = ["--model_name_or_path", str(workspace / "llama"), "--task_name", "sst2"]
+    argv += ["--train_file", str(workspace / "train.tsv"), "--validation_file", str(workspace / "validation.tsv")]
+    argv += ["--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "4"]
+    argv += ["--report_to", "none", "--save_strategy", "no", "--use_cpu", "--disable_tqdm", "true", *extra]
+    return train_script.main(argv)
+
+
+def test_examples_train_py_trains_lora_on_a_4bit_base_and_evaluates(example_workspace, tmp_path):
+    trainer, metrics = _run_train_example(example_workspace, tmp_path, "--peft", "lora", "--load_in_4bit")
+    assert quantization_record(trainer.model)["load_in_4bit"]
+    assert 0 <= metrics["eval_accuracy"] <= 1
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    trajectory = ZOTrajectory.load(tmp_path / "out")
+    assert trajectory.header["base_model"]["quantization"]["bnb_4bit_quant_type"] == "nf4"
+
+
+def test_examples_train_py_on_a_4bit_base_without_an_adapter_names_peft_lora(example_workspace, tmp_path):
+    with pytest.raises(ValueError, match=r"full-parameter ZO cannot train a quantized base.*--peft lora"):
+        _run_train_example(example_workspace, tmp_path, "--load_in_4bit")
+
+
+def test_examples_sft_py_trains_lora_on_a_4bit_base(tmp_path):
+    """examples/sft.py with TRL's `--load_in_4bit --use_peft`: the adapter trains in float32 on a 4-bit base."""
+    import json
+
+    from launch_worker import load_example
+    from test_sft import CONVERSATIONS, tokenizer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "model")
+    tokenizer().save_pretrained(tmp_path / "model")
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": messages}) + "\n" for messages in CONVERSATIONS["messages"])
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--train_file", str(tmp_path / "chat.jsonl")]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_peft", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += ["--load_in_4bit", "--max_steps", "2", "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    argv += ["--disable_tqdm", "true"]
+    sft = load_example("sft")
+    trainer = sft.main(*sft.make_parser().parse_args_and_config(argv))
+    assert quantization_record(trainer.model)["load_in_4bit"]
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters() if p.requires_grad)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert len(ZOTrajectory.load(tmp_path / "out")) == 2
