@@ -147,7 +147,10 @@ def test_frozen_weights_are_never_written_back_and_use_offload_dtype(tmp_path):
     offloader = offload_model(model, "disk", directory=str(tmp_path), device="cpu", offload_dtype="bfloat16")
     written = []
     unload = offloader.transport.unload
-    offloader.transport.unload = lambda tensors, pairs: (written.extend(v for v, _ in pairs), unload(tensors, pairs))
+    offloader.transport.unload = lambda tensors, pairs, then=None: (
+        written.extend(v for v, _ in pairs),
+        unload(tensors, pairs, then),
+    )
     trainable_views = {
         id(view)
         for params, views in zip(offloader.params, offloader.views)

@@ -4,8 +4,11 @@
 - `transport`: asynchronous copies (`CudaTransport` with streams and events; `ThreadTransport` for a CPU working
   device).
 - `schedule`: `BlockOffloader`, the prefetch / compute / write-back schedule shared by the transports.
+- `pages`: `MappedPages`, which hands the pages of memory-mapped tensors back once used, so that memory stays bounded
+  by the blocks in use.
 """
 
+from .pages import MappedPages
 from .schedule import BlockOffloader, offload_blocks
 from .storage import OFFLOAD_TIERS, BlockStorage, CPUStorage, DiskStorage, build_storage
 from .transport import CudaTransport, ThreadTransport
@@ -21,6 +24,7 @@ __all__ = [
     "CPUStorage",
     "CudaTransport",
     "DiskStorage",
+    "MappedPages",
     "ThreadTransport",
     "build_storage",
     "offload_blocks",

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .pages import MappedPages
 from .storage import BlockStorage, build_storage
 from .transport import CudaTransport, ThreadTransport
 
@@ -75,14 +76,19 @@ class BlockOffloader:
         self._in_flight: dict[int, object] = {}
         self._resident: dict[int, list[torch.Tensor]] = {}
         self.managed = False
+        # A model `from_pretrained` mapped from its files: the pages each block is copied from are handed back as
+        # the block goes to storage, so that the set-up never holds the model (see `pages`).
+        source_pages = MappedPages(private=True)
         for b, block in enumerate(self.blocks):
-            self._offload_block(b, block, offload_dtype)
+            self._offload_block(b, block, offload_dtype, source_pages)
         _return_freed_memory()
         self._hooks = [h for b, block in enumerate(self.blocks) for h in self._hook_block(b, block)]
 
     # ------------------------------------------------------------------ set-up
 
-    def _offload_block(self, b: int, block: nn.Module, offload_dtype: torch.dtype | None) -> None:
+    def _offload_block(
+        self, b: int, block: nn.Module, offload_dtype: torch.dtype | None, source_pages: MappedPages
+    ) -> None:
         named = list(block.named_parameters())
         store_dtypes = [
             offload_dtype if offload_dtype is not None and not p.requires_grad and p.is_floating_point() else p.dtype
@@ -93,6 +99,7 @@ class BlockOffloader:
         params = [p for _, p in named]
         self._dtypes.append([p.dtype for p in params])
         for param, view in zip(params, views):
+            source_pages.release(param.data)
             param.data = view
         self.params.append(params)
         self.views.append(views)
@@ -139,18 +146,56 @@ class BlockOffloader:
         working = self._resident.pop(b, None)
         if working is None:
             return
-        self.transport.unload(working, [(self.views[b][k], working[k]) for k in write_back])
-        for param, view in zip(self.params[b], self.views[b]):
+        views = self.views[b]
+        self.transport.unload(
+            working, [(views[k], working[k]) for k in write_back], then=lambda: self.storage.release_pages(views)
+        )
+        for param, view in zip(self.params[b], views):
             param.data = view
 
     def synchronize(self) -> None:
         """Wait for every queued copy, dropping prefetched blocks, so the at-rest views hold the true values."""
         for b in list(self._resident):
             self.release(b, write_back=())
-        for handle in self._in_flight.values():
+        for b, handle in self._in_flight.items():
             self.transport.wait(handle)
+            self.storage.release_pages(self.views[b])
         self._in_flight.clear()
         self.transport.synchronize()
+
+    def saving_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`model.state_dict()` with each offloaded tensor replaced by a view that its storage made for saving.
+
+        Hand it to `save_pretrained` (which drops each tensor once its shard is written) and keep no reference: the
+        storage's pages then leave memory shard by shard, and a save holds a shard of the model, not all of it.
+        """
+        self.synchronize()
+        at_rest = {}
+        for b, views in enumerate(self.views):
+            for k, view in enumerate(views):
+                at_rest[view.data_ptr()] = (b, k)
+        fresh: dict[int, list[torch.Tensor]] = {}
+        state_dict = model.state_dict()
+        for name, tensor in state_dict.items():
+            where = at_rest.get(tensor.data_ptr())
+            if where is None or tensor.numel() == 0:
+                continue
+            b, k = where
+            if b not in fresh:
+                fresh[b] = self.storage.saving_views(b)
+            state_dict[name] = fresh[b][k]
+        return state_dict
+
+    @property
+    def largest_block_bytes(self) -> int:
+        """Bytes of the largest block in its working dtypes."""
+        return max(
+            (
+                sum(v.numel() * d.itemsize for v, d in zip(views, dtypes))
+                for views, dtypes in zip(self.views, self._dtypes)
+            ),
+            default=0,
+        )
 
     @property
     def busy_blocks(self) -> list[int]:

@@ -18,6 +18,7 @@ import os
 import shutil
 import struct
 import tempfile
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 import numpy
 import torch
 from safetensors.torch import save_file
+
+from .pages import release_mapped
 
 OFFLOAD_TIERS = ("cpu", "disk")
 
@@ -44,6 +47,15 @@ class BlockStorage(ABC):
     def close(self) -> None:
         """Release what the storage owns (files it created); the at-rest views must not be used afterwards."""
 
+    @abstractmethod
+    def release_pages(self, views: Sequence[torch.Tensor]) -> None:
+        """Take the pages of at-rest `views` out of the process's resident set, once their block is done with; the
+        values stay."""
+
+    @abstractmethod
+    def saving_views(self, block: int) -> list[torch.Tensor]:
+        """Views of block `block`'s tensors for saving them, whose pages leave the resident set with the views."""
+
 
 class CPUStorage(BlockStorage):
     """Blocks kept in host memory, pinned when `pin_memory` (asynchronous host-to-device copies).
@@ -54,13 +66,22 @@ class CPUStorage(BlockStorage):
 
     def __init__(self, pin_memory: bool | None = None):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._views: dict[int, list[torch.Tensor]] = {}
 
     def store_block(self, block, named_tensors):
         views = []
         for _, tensor in named_tensors:
             view = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
             views.append(view.copy_(tensor))
+        self._views[block] = views
         return views
+
+    def release_pages(self, views: Sequence[torch.Tensor]) -> None:
+        """Host copies are the tier itself: nothing to hand back."""
+
+    def saving_views(self, block: int) -> list[torch.Tensor]:
+        """The at-rest views themselves (host memory, resident either way)."""
+        return self._views[block]
 
     def close(self) -> None:
         """Host copies are plain tensors: they go with the last reference to the at-rest views."""
@@ -117,6 +138,7 @@ class DiskStorage(BlockStorage):
             ) from None
         self.root = root
         self.paths: list[str] = []
+        self._names: dict[int, list[str]] = {}
         # Mapped files stay readable after unlinking, so the files and the folders the storage created can go when
         # the storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
         self._folders = [self.directory, *created]
@@ -137,7 +159,20 @@ class DiskStorage(BlockStorage):
         if path not in self.paths:
             self.paths.append(path)  # before writing: a partly written file is ours to remove too
         save_file({name: tensor.detach().contiguous().cpu() for name, tensor in named_tensors}, path)
+        self._names[block] = names
         return _map_safetensors(path, names)
+
+    def release_pages(self, views: Sequence[torch.Tensor]) -> None:
+        """Drop the pages of `views` (shared mappings of the block files) from the resident set; the files keep
+        every write."""
+        for view in views:
+            release_mapped(view, shared=True)
+
+    def saving_views(self, block: int) -> list[torch.Tensor]:
+        """Read-only mappings of block `block`'s file of their own: each view's pages leave the resident set when the
+        view is freed, so a save that drops each tensor once written holds a shard, not the model."""
+        path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
+        return _map_safetensors(path, self._names[block], mode="r")
 
     def close(self) -> None:
         _remove(self.paths, self._folders)
@@ -179,9 +214,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _map_safetensors(path: str, names: Sequence[str]) -> list[torch.Tensor]:
-    """Writable views of the tensors `names` of the safetensors file `path`, each backed by its own shared memory
-    map (distinct storages, so `save_pretrained` does not mistake them for tied weights)."""
+def _map_safetensors(path: str, names: Sequence[str], mode: str = "r+") -> list[torch.Tensor]:
+    """Views of the tensors `names` of the safetensors file `path`, each backed by its own shared memory map
+    (distinct storages, so `save_pretrained` does not mistake them for tied weights): writable with `mode="r+"`,
+    read-only with `"r"`."""
     with open(path, "rb") as handle:
         (header_size,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(header_size))
@@ -200,8 +236,13 @@ def _map_safetensors(path: str, names: Sequence[str]) -> list[torch.Tensor]:
                 f"Tensor {name!r} of {path} is not aligned to its {itemsize}-byte elements and cannot be mapped; "
                 "this safetensors version orders tensors differently. Use zo_offload='cpu' instead."
             )
-        mapped = numpy.memmap(path, dtype=numpy.uint8, mode="r+", offset=base + start, shape=(stop - start,))
-        views.append(torch.from_numpy(mapped).view(dtype).view(entry["shape"]))
+        mapped = numpy.memmap(path, dtype=numpy.uint8, mode=mode, offset=base + start, shape=(stop - start,))
+        if mode == "r":
+            with warnings.catch_warnings():  # torch warns that the array is not writable; nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                views.append(torch.from_numpy(mapped).view(dtype).view(entry["shape"]))
+        else:
+            views.append(torch.from_numpy(mapped).view(dtype).view(entry["shape"]))
     return views
 
 

@@ -13,7 +13,7 @@ finishes before that load reads), so the schedule in :mod:`hf_zo.offload.schedul
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -62,18 +62,28 @@ class ThreadTransport:
         """The working tensors of a :meth:`load`, once they are ready."""
         return handle.result()
 
-    def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def unload(
+        self,
+        working: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        then: Callable[[], None] | None = None,
+    ) -> None:
         """Hand back a block's `working` tensors, first copying each ``(view, tensor)`` of `pairs` that is not the
-        view itself into storage. The copies run on the background thread, in order with the loads."""
+        view itself into storage, and then call `then` (the storage releasing the block's pages). The copies run on
+        the background thread, in order with the loads."""
         pairs = [(view, tensor) for view, tensor in pairs if view is not tensor]
         if not pairs:
             self._recycle(working)
+            if then is not None:
+                then()
             return
 
         def copy():
             for view, tensor in pairs:
                 view.copy_(tensor)
             self._recycle(working)
+            if then is not None:
+                then()
 
         self._last = self._pool.submit(copy)
 
@@ -100,6 +110,7 @@ class CudaTransport:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(device=self.device)
+        self._after: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
 
     def load(self, sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> tuple:
         """Start uploading `sources` (cast to `dtypes` on the GPU); returns a handle for :meth:`wait`."""
@@ -115,8 +126,14 @@ class CudaTransport:
         torch.cuda.current_stream(self.device).wait_event(event)
         return tensors
 
-    def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Hand back a block's `working` tensors, first downloading each ``(view, tensor)`` of `pairs` to storage.
+    def unload(
+        self,
+        working: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Hand back a block's `working` tensors, first downloading each ``(view, tensor)`` of `pairs` to storage;
+        `then` runs once the downloads are done (checked at later calls, and by :meth:`synchronize`).
 
         The copy stream waits for the compute issued so far (every use of the block), so the working memory, which
         was allocated on the copy stream, is reused in stream order by the next upload: at most `prefetch + 1`
@@ -126,10 +143,20 @@ class CudaTransport:
         with torch.cuda.stream(self._stream):
             for view, tensor in pairs:
                 view.copy_(tensor, non_blocking=True)
+            if then is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._after.append((event, then))
+        self._run_finished()
+
+    def _run_finished(self) -> None:
+        while self._after and self._after[0][0].query():
+            self._after.pop(0)[1]()
 
     def synchronize(self) -> None:
         """Wait until every queued copy is done."""
         self._stream.synchronize()
+        self._run_finished()
 
     def close(self) -> None:
         """Finish the queued copies."""

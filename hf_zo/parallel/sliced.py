@@ -16,7 +16,7 @@ the scalar collectives of the estimate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -71,6 +71,7 @@ class SlicedTransport:
         self._last: Future | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._after: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ layout of a block in the gathered buffer
 
@@ -140,8 +141,14 @@ class SlicedTransport:
         self._buffers[id(tensors)] = flat
         return tensors
 
-    def unload(self, working: Sequence[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write each ``(view, tensor)`` of `pairs` back to this rank's storage and recycle the block's buffer."""
+    def unload(
+        self,
+        working: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Write each ``(view, tensor)`` of `pairs` back to this rank's storage and recycle the block's buffer;
+        `then` runs after the copies (on a GPU, once :meth:`synchronize` has waited for them)."""
         flat = self._buffers.pop(id(working), None)
 
         def copy():
@@ -149,11 +156,15 @@ class SlicedTransport:
                 view.copy_(tensor, non_blocking=self._cuda)
             if flat is not None and not self._cuda:
                 self._free.setdefault(flat.numel(), []).append(flat)
+            if then is not None and not self._cuda:
+                then()
 
         if self._cuda:  # after every use of the block on the compute stream; memory is reused in stream order
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 copy()
+            if then is not None:
+                self._after.append(then)
         else:
             self._last = self._pool.submit(copy)
 
@@ -169,6 +180,8 @@ class SlicedTransport:
             self._last.result()
             self._last = None
         self._buffers.clear()
+        while self._after:
+            self._after.pop(0)()
 
     def close(self) -> None:
         """Finish the queued work and free the recycled buffers."""

@@ -5,6 +5,10 @@ its checkpoint holds, but not the ones the run created or changed before trainin
 drawn from the global RNG when `get_peft_model` runs, whose state nothing records), a classification head that
 `from_pretrained` initialised at random, a head fitted by the linear probe. Those are found here by comparing the
 trainable tensors bitwise with the checkpoint the model was loaded from.
+
+A safetensors checkpoint is compared by reading its bytes in chunks, never by mapping it: a mapped file's pages count
+as the process's resident memory for as long as the mapping lives, so a second mapping beside the one
+`from_pretrained` keeps would hold every weight twice at the start of training.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+import struct
 
 import huggingface_hub
 import torch
-from safetensors import safe_open
 from transformers.utils import logging
+
+from ..offload import MappedPages
 
 logger = logging.get_logger(__name__)
 
@@ -51,12 +56,11 @@ def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> lis
     named = dict(model.named_parameters())
     if not checkpoint.found:
         return list(names) if hasattr(model, "peft_config") else []
-    missing = []
+    missing, pages = [], MappedPages()
     for name in names:
-        tensor = named[name].detach()
-        stored = checkpoint.read(named[name])
-        if stored is None or stored.shape != tensor.shape or not torch.equal(stored.to(tensor), tensor):
+        if not checkpoint.holds(named[name]):
             missing.append(name)
+        pages.release(named[name])  # an offloaded tensor's pages, once read (the disk tier)
     size = sum(named[n].numel() * named[n].element_size() for n in missing)
     if not hasattr(model, "peft_config") and size > MAX_PLAIN_INITIAL_BYTES:
         logger.warning(
@@ -115,7 +119,7 @@ class BaseCheckpoint:
         self._names = {id(p): name for name, p in base.named_parameters()}
         self._prefix = getattr(base, "base_model_prefix", "")
         self._shards = _shards(getattr(config, "_name_or_path", None), getattr(config, "_commit_hash", None))
-        self._opened: dict[str, Callable[[str], torch.Tensor]] = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
         self.found = bool(self._shards)
 
     def key(self, parameter: torch.Tensor) -> str | None:
@@ -130,15 +134,71 @@ class BaseCheckpoint:
             candidates += [name.removeprefix(self._prefix + "."), f"{self._prefix}.{name}"]
         return next((key for key in candidates if key in self._shards), None)
 
-    def read(self, parameter: torch.Tensor) -> torch.Tensor | None:
-        """The checkpoint's value of `parameter`, or `None` if the checkpoint does not hold it."""
+    def holds(self, parameter: torch.Tensor) -> bool:
+        """Whether the checkpoint holds `parameter` with exactly its current value (compared in its dtype)."""
         key = self.key(parameter)
         if key is None:
-            return None
+            return False
         path = self._shards[key]
-        if path not in self._opened:
-            self._opened[path] = _open(path)
-        return self._opened[path](key)
+        tensor = parameter.detach()
+        if not path.endswith(".safetensors"):
+            stored = torch.load(path, map_location="cpu", mmap=True, weights_only=True)[key]
+            return stored.shape == tensor.shape and torch.equal(stored.to(tensor), tensor)
+        if path not in self._headers:
+            self._headers[path] = _safetensors_header(path)
+        header, data_start = self._headers[path]
+        entry = header[key]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None or tuple(entry["shape"]) != tuple(tensor.shape):
+            return False
+        begin, end = entry["data_offsets"]
+        return _file_range_equals(path, data_start + begin, end - begin, dtype, tensor)
+
+
+# The dtypes of safetensors' header that a trainable tensor can have; another one never matches.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+_COMPARE_BYTES = 16 * 2**20
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the offset where its tensor data starts."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length)), 8 + length
+
+
+def _file_range_equals(path: str, offset: int, nbytes: int, dtype: torch.dtype, tensor: torch.Tensor) -> bool:
+    """Whether `nbytes` of `path` at `offset`, read as `dtype` and cast to `tensor`'s dtype, equal `tensor`.
+
+    Reads one bounded chunk at a time into one buffer, so the comparison holds no more than `_COMPARE_BYTES`.
+    """
+    item = torch.empty((), dtype=dtype).element_size()
+    if nbytes != tensor.numel() * item:
+        return False
+    flat = tensor.reshape(-1)
+    step = max(1, _COMPARE_BYTES // item)
+    buffer = bytearray(min(nbytes, step * item))
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        for start in range(0, tensor.numel(), step):
+            count = min(step, tensor.numel() - start)
+            view = memoryview(buffer)[: count * item]
+            if handle.readinto(view) != count * item:
+                return False
+            stored = torch.frombuffer(view, dtype=dtype, count=count).to(device=flat.device, dtype=flat.dtype)
+            if not torch.equal(stored, flat[start : start + count]):
+                return False
+    return True
 
 
 def _shards(name_or_path: str | None, revision: str | None) -> dict[str, str]:
@@ -173,12 +233,5 @@ def _local_file(name_or_path: str, filename: str, revision: str | None) -> str |
 
 def _keys(path: str) -> list[str]:
     if path.endswith(".safetensors"):
-        with safe_open(path, "pt") as handle:
-            return list(handle.keys())
+        return [key for key in _safetensors_header(path)[0] if key != "__metadata__"]
     return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-
-
-def _open(path: str) -> Callable[[str], torch.Tensor]:
-    if path.endswith(".safetensors"):
-        return safe_open(path, "pt").get_tensor
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True).__getitem__
