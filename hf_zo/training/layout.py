@@ -3,8 +3,11 @@ batches sharded by data-parallel rank, and no gradient-synchronising wrapper."""
 
 from __future__ import annotations
 
+import os
+
 import torch
-from transformers import TrainingArguments
+from transformers import PreTrainedModel, TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from ..parallel import DistZOPlugin
@@ -79,6 +82,29 @@ class ZOLayoutMixin:
         if self.place_model_on_device:
             self._move_model_to_device(self.model, args.device)
         self.model_wrapped = self.model
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """`Trainer._save`; a model with offloaded blocks writes its weights from their storage shard by shard, so
+        that saving holds the resident modules and a shard of the blocks, never the whole model."""
+        if self.zo_offloader is None or state_dict is not None or not isinstance(self.model, PreTrainedModel):
+            return super()._save(output_dir, state_dict)  # a PEFT model saves its adapter alone
+        if not self.args.should_save:
+            return None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        # Shards of two blocks, and nothing here keeps the state dict: `save_pretrained` drops each tensor once its
+        # shard is written, and the storage's pages go with it.
+        self.model.save_pretrained(
+            output_dir,
+            state_dict=self.zo_offloader.saving_state_dict(self.model),
+            max_shard_size=2 * self.zo_offloader.largest_block_bytes,
+        )
+        # What `Trainer._save` writes beside the weights.
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return None
 
     def get_train_dataloader(self):
         """`Trainer.get_train_dataloader`, sharded by data-parallel rank (`zo_plugin`): the ranks of one
