@@ -202,3 +202,22 @@ def test_a_bf16_run_with_stochastic_rounding_learns_resumes_and_replays_bitwise(
 
     with pytest.raises(ValueError, match="resume with the same zo_stochastic_rounding"):
         _train(copy.deepcopy(base), tmp_path / "c", str(tmp_path / "b" / "checkpoint-2"), zo_stochastic_rounding=False)
+
+
+@pytest.mark.parametrize("exact_restore", [False, True])
+def test_a_plain_loop_replays_bitwise_with_the_restore_it_chose(tmp_path, exact_restore):
+    """The replay restores as the run did, also where its own default would choose otherwise (a small bf16 set
+    defaults to the exact restore)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(torch.bfloat16)
+    base = copy.deepcopy(model)
+    noise = Noise(stochastic_rounding=True)
+    optimizer = ZOSGD(model.parameters(), lr=1e-4, weight_decay=0.1, exact_restore=exact_restore, noise=noise)
+    trajectory = ZOTrajectory.start(model, optimizer)
+    trajectory.attach(optimizer)
+    data = torch.randn(32, 16, dtype=torch.bfloat16)
+    for _ in range(4):
+        optimizer.step(lambda: model(data).float().square().mean())
+    optimizer.flush()
+    replay(base, trajectory.save(tmp_path, model))
+    _assert_bitwise(_weights(base), _weights(model))

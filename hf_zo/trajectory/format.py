@@ -189,6 +189,7 @@ class ZOTrajectory:
                 "eps": optimizer.eps,
                 "num_perturbations": optimizer.num_perturbations,
                 "seed": optimizer.seed,
+                "exact_restore": optimizer.sequential_estimator.exact_restore,
                 "noise": {
                     "distribution": noise.distribution,
                     "algorithm": noise.algorithm,

@@ -168,5 +168,7 @@ def _build_optimizer(trajectory: ZOTrajectory, tensors: dict[str, torch.Tensor])
         noise=Noise(**spec["noise"]),
         num_perturbations=spec["num_perturbations"],
         seed=spec["seed"],
+        # The run's restore (its rounding is part of the bits); a file from before it was recorded: the default.
+        exact_restore=spec.get("exact_restore"),
         **{k: v for k, v in defaults.items() if k in accepted},
     )
