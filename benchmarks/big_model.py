@@ -96,17 +96,19 @@ SAMPLE_NUMEL = 1 << 25
 
 
 def memory_bandwidth(nbytes: int) -> float:
-    """Bytes per second of a tensor copy (read + write) of `nbytes`, the best of three."""
+    """Bytes per second of a tensor copy (read + write) of `nbytes`, at its best."""
     src = torch.ones(nbytes // 4)
     dst = torch.zeros_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
-    return 2 * src.nbytes / best
+    return 2 * src.nbytes / _best_time(lambda: dst.copy_(src))
 
 
 def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
     """Write (with fsync) and read bytes per second of a file of `nbytes` in `folder`, out of the page cache."""
     if shutil.disk_usage(folder).free < 2 * nbytes:
         raise OSError(f"{folder} has too little free space for a {nbytes / 2**20:.0f} MiB bandwidth probe.")
+    for stale in folder.glob(".bandwidth-probe-*"):  # left by a killed run
+        if not Path(f"/proc/{stale.name.rsplit('-', 1)[-1]}").exists():
+            stale.unlink(missing_ok=True)
     path = folder / f".bandwidth-probe-{os.getpid()}"
     chunk = memoryview(os.urandom(min(nbytes, 16 << 20)))  # random: a compressing file system cannot shortcut it
     try:
@@ -140,8 +142,7 @@ def matmul_rate(tokens: int, hidden: int, intermediate: int, dtype: torch.dtype)
     x = torch.randn(tokens, hidden).to(dtype)
     weight = torch.randn(intermediate, hidden).to(dtype)
     torch.nn.functional.linear(x, weight)  # warm-up
-    best = min(_timed(lambda: torch.nn.functional.linear(x, weight)) for _ in range(3))
-    return 2 * tokens * hidden * intermediate / best
+    return 2 * tokens * hidden * intermediate / _best_time(lambda: torch.nn.functional.linear(x, weight))
 
 
 def measure_machine(folder: Path, probe_bytes: int, tokens: int, hidden: int, intermediate: int) -> dict:
@@ -159,10 +160,15 @@ def measure_machine(folder: Path, probe_bytes: int, tokens: int, hidden: int, in
     }
 
 
-def _timed(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+def _best_time(run, min_runs: int = 3, min_seconds: float = 0.25) -> float:
+    """The least seconds of `run` over at least `min_runs` runs and `min_seconds` in all (a shared machine's other
+    work only ever adds time)."""
+    times = []
+    while len(times) < min_runs or sum(times) < min_seconds:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 # ---------------------------------------------------------------------------------------------------- memory
