@@ -51,9 +51,9 @@ hidden) by (intermediate x hidden), in fp32 and bf16 on torch's threads. Per ste
 
 `limit_s_per_step` is the largest part: each tier could at best overlap the others.
 
-    python benchmarks/big_model.py --mode bf16 --steps 4
+    python benchmarks/big_model.py --mode bf16                  # 3 steps of the 7B shape
     python benchmarks/big_model.py --mode fp32-disk --steps 3
-    python benchmarks/big_model.py --mode 4bit-lora --steps 4
+    python benchmarks/big_model.py --mode 4bit-lora --steps 3
     python benchmarks/big_model.py --mode bf16 --build_only     # write the checkpoint only (13.5 GB; fp32: 27 GB)
     python benchmarks/big_model.py --shape tiny --mode bf16 fp32-disk 4bit-lora --steps 2  # the tests' run
 
