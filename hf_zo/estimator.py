@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .noise import Noise, NoiseUpdate
 
@@ -58,9 +59,20 @@ def _drop_stale_casts() -> None:
 class LazyParameters:
     """Trainable tensors, each with its stable noise index, and the update still pending on them.
 
+    Sharded tensors (`DTensor`s, FSDP2's parameters) are swept differently. The processes of an FSDP2 run take turns
+    at the forwards of their own micro-batches, each at its own point of the step's sequence of sweeps, while a
+    forward gathers every process's shard: so a sweep is held back (:attr:`held_back`) instead of applied, each
+    gathered tensor is brought to this process's point just before its forward (:meth:`replay_onto`), and the
+    shards take the held-back sweeps at the next point where every process has made them all (:meth:`commit`).
+
     Args:
         tensors (`Sequence[tuple[int, torch.Tensor]]`): ``(index, tensor)`` pairs; indices must be unique.
         noise (`Noise`): the noise that sweeps use.
+
+    Attributes:
+        sharded (`bool`): whether some tensor is a `DTensor`, so sweeps are held back.
+        held_back (`list[list[NoiseUpdate]]`): the sweeps made since the last :meth:`commit`, in order, one
+            update per tensor each (only while :attr:`sharded`).
     """
 
     def __init__(self, tensors: Sequence[tuple[int, torch.Tensor]], noise: Noise):
@@ -70,6 +82,8 @@ class LazyParameters:
         self.tensors = list(tensors)
         self.noise = noise
         self.pending = [NoiseUpdate() for _ in self.tensors]
+        self.sharded = any(isinstance(tensor, DTensor) for _, tensor in self.tensors)
+        self.held_back: list[list[NoiseUpdate]] = []
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -97,13 +111,39 @@ class LazyParameters:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Apply everything pending, so the tensors hold their true values (before eval, save, or end)."""
-        self.noise.apply_(self.tensors, self.take_pending())
+        """Apply everything pending, so the tensors hold their true values (before eval, save, or end); sharded
+        tensors hold it back until :meth:`commit`, and their forwards see it (:meth:`replay_onto`)."""
+        pending = self.take_pending()
+        if not self.sharded:
+            self.noise.apply_(self.tensors, pending)
+        elif any(not update.is_identity() for update in pending):
+            self.held_back.append(pending)
         _drop_stale_casts()
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Apply the held-back sweeps to this process's shards, in order: the bits one process gives those elements.
+
+        Call it only where every process has made the same sweeps (the end of a micro-batch's estimates on every
+        rank, an optimizer flush), since the next forward gathers every shard.
+        """
+        held_back, self.held_back = self.held_back, []
+        for updates in held_back:
+            self.noise.apply_(self.tensors, updates)
+
+    @torch.no_grad()
+    def replay_onto(self, position: int, tensor: torch.Tensor) -> None:
+        """Apply the held-back sweeps of tensor `position` to `tensor`, its whole value as the shards hold it (FSDP2
+        gathers it for a forward), so the forward sees this process's point of the step."""
+        index = self.tensors[position][0]
+        for updates in self.held_back:
+            if not updates[position].is_identity():
+                self.noise.apply_([(index, tensor)], [updates[position]])
 
     def discard_pending(self) -> None:
         """Forget the pending update (after the tensors were overwritten, e.g. by loading a checkpoint)."""
         self.pending = [NoiseUpdate() for _ in self.tensors]
+        self.held_back = []
 
 
 class SPSAEstimator:

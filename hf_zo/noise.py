@@ -13,7 +13,9 @@ The noise ``z`` of a parameter is a pure function of ``(seed, index, distributio
 
 Either way ``z`` never depends on traversal order, on which other parameters exist, on the chunk size or thread
 count used to sweep over it, or on the global RNG (which is never touched). Any chunk of any parameter can be
-regenerated on its own, by any thread, which makes the sweeps parallel and exact.
+regenerated on its own, by any thread, which makes the sweeps parallel and exact. A sweep over a `DTensor` sharded
+by rows (FSDP2's parameters) therefore changes only this process's shard, with the noise of the shard's element
+range in the whole tensor (:func:`local_shard`): the bits one process would give those elements.
 
 A sweep brings a tensor to ``decay * tensor + sum_j coeff_j * z(seed_j)`` in one pass over memory, a chunk at a
 time, so the only temporary is one chunk of noise per worker (none with the compiled kernel).
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .philox import kernel_error, load_kernel, philox_noise
 
@@ -325,11 +328,14 @@ class Noise:
             self._tables[device] = table.to(device)
         return self._tables[device]
 
-    def fill_(self, out: torch.Tensor, seed: int, index: int, start: int) -> torch.Tensor:
+    def fill_(self, out: torch.Tensor, seed: int, index: int, start: int, total: int | None = None) -> torch.Tensor:
         """Write ``z[start : start + out.numel()]`` of parameter `index` for `seed` into the fp32 vector `out`.
 
-        With the `"torch"` algorithm `start` must be a multiple of `NOISE_BLOCK_NUMEL`. The noise does not depend on
-        how a parameter is cut.
+        The noise does not depend on how a parameter is cut. With the `"torch"` algorithm and the table, whose
+        blocks of `NOISE_BLOCK_NUMEL` elements are drawn whole (the last one of a parameter shorter), a range that
+        begins or ends inside a block (a shard's) needs `total`, the parameter's number of elements: the blocks that
+        cover the range are drawn at their size and the wanted elements kept. Without `total`, `start` must be a
+        multiple of `NOISE_BLOCK_NUMEL` and the range is taken to end the parameter or a block.
         """
         if self._is_philox:
             kernel = load_kernel()
@@ -338,28 +344,49 @@ class Noise:
             else:
                 out.copy_(philox_noise(seed, index, start, out.numel(), self.distribution == "gaussian", out.device))
             return out
-        if start % NOISE_BLOCK_NUMEL:
-            raise ValueError(f"start must be a multiple of {NOISE_BLOCK_NUMEL}, got {start}.")
-        numel = out.numel()
-        first_block = start // NOISE_BLOCK_NUMEL
-        for offset in range(0, numel, NOISE_BLOCK_NUMEL):
-            block = out[offset : offset + NOISE_BLOCK_NUMEL]
-            block_seed = mix_seed(seed, index, first_block + offset // NOISE_BLOCK_NUMEL)
-            if self.distribution == "table":
-                table = self._table(out.device)
-                position = block_seed % (self.table_numel - block.numel() + 1)
-                block.copy_(table[position : position + block.numel()])
-                continue
-            generator = self._generator(out.device)
-            generator.manual_seed(block_seed)
-            if self.distribution == "gaussian":
-                block.normal_(generator=generator)
-            else:
-                block.bernoulli_(0.5, generator=generator).mul_(2.0).sub_(1.0)
+        end = start + out.numel()
+        if total is None:
+            if start % NOISE_BLOCK_NUMEL:
+                raise ValueError(
+                    f"start must be a multiple of {NOISE_BLOCK_NUMEL} unless total (the parameter's size) is given, "
+                    f"got {start}."
+                )
+            total = end
+        if start < 0 or end > total:
+            raise ValueError(f"The range [{start}, {end}) must lie within the parameter's {total} elements.")
+        for block_number in range(start // NOISE_BLOCK_NUMEL, -(-end // NOISE_BLOCK_NUMEL)):
+            block_start = block_number * NOISE_BLOCK_NUMEL
+            size = min(NOISE_BLOCK_NUMEL, total - block_start)
+            low, high = max(start, block_start), min(end, block_start + size)
+            if (low, high) == (block_start, block_start + size):
+                self._draw_block_(out[low - start : high - start], seed, index, block_number)
+            else:  # a block the range cuts: drawn whole, the wanted elements kept
+                block = torch.empty(size, dtype=out.dtype, device=out.device)
+                self._draw_block_(block, seed, index, block_number)
+                out[low - start : high - start].copy_(block[low - block_start : high - block_start])
         return out
 
-    def chunk(self, scratch: torch.Tensor, seed: int, index: int, start: int) -> torch.Tensor:
-        """``z[start : start + scratch.numel()]`` of parameter `index` for `seed`, to be read (not written).
+    def _draw_block_(self, block: torch.Tensor, seed: int, index: int, block_number: int) -> None:
+        """Draw block `block_number` of parameter `index` for `seed` (the `"torch"` algorithm or the table) into
+        `block`, which has the block's whole size."""
+        block_seed = mix_seed(seed, index, block_number)
+        if self.distribution == "table":
+            table = self._table(block.device)
+            position = block_seed % (self.table_numel - block.numel() + 1)
+            block.copy_(table[position : position + block.numel()])
+            return
+        generator = self._generator(block.device)
+        generator.manual_seed(block_seed)
+        if self.distribution == "gaussian":
+            block.normal_(generator=generator)
+        else:
+            block.bernoulli_(0.5, generator=generator).mul_(2.0).sub_(1.0)
+
+    def chunk(
+        self, scratch: torch.Tensor, seed: int, index: int, start: int, total: int | None = None
+    ) -> torch.Tensor:
+        """``z[start : start + scratch.numel()]`` of parameter `index` for `seed`, to be read (not written); `total`
+        as for :meth:`fill_`.
 
         Returns a cached chunk or a view of the table when there is one (no copy), else fills `scratch`.
         """
@@ -368,11 +395,18 @@ class Noise:
             cached = self._cache.get(seed, {}).get(key)
             if cached is not None:
                 return cached
-        if self.distribution == "table" and scratch.numel() <= NOISE_BLOCK_NUMEL:
+        whole_block = not start % NOISE_BLOCK_NUMEL and (
+            total is None or start + scratch.numel() in (total, start + NOISE_BLOCK_NUMEL)
+        )
+        if self.distribution == "table" and scratch.numel() <= NOISE_BLOCK_NUMEL and whole_block:
             block_seed = mix_seed(seed, index, start // NOISE_BLOCK_NUMEL)
             position = block_seed % (self.table_numel - scratch.numel() + 1)
             return self._table(scratch.device)[position : position + scratch.numel()]
-        z = self.fill_(scratch, seed, index, start)
+        if total is None or type(self).fill_ is not Noise.fill_:
+            # Subclasses' own noise (HiZOO's, LOZO's) sweeps whole parameters only and takes no `total`.
+            z = self.fill_(scratch, seed, index, start)
+        else:
+            z = self.fill_(scratch, seed, index, start, total)
         if self.cache_numel:
             self._cache.setdefault(seed, {})[key] = z.clone()
         return z
@@ -408,16 +442,19 @@ class Noise:
         `position` is the tensor's position in `tensors`, `chunk` a flat in-place view of the tensor's elements
         ``[start, start + chunk.numel())``, and `scratch` a list of `num_scratch` per-worker fp32 buffers of the
         chunk's size (for noise and accumulators). Chunks are disjoint, so the result does not depend on scheduling.
+        A `DTensor` contributes the chunks of its local shard, `start` counted in the whole tensor
+        (:func:`local_shard`).
         """
+        shards = [local_shard(t) for _, t in tensors]
         work = []
-        for position, (_, tensor) in enumerate(tensors):
-            for start in range(0, tensor.numel(), self.chunk_numel):
+        for position, (local, _) in enumerate(shards):
+            for start in range(0, local.numel(), self.chunk_numel):
                 work.append((position, start))
         if not work:
             return
         if self.cache_numel:
             self._evict()
-        flats = [_flat_view(t) for _, t in tensors]
+        flats = [_flat_view(local) for local, _ in shards]
 
         def run(items):
             scratch = {}
@@ -430,9 +467,9 @@ class Noise:
                         torch.empty(chunk.numel(), dtype=torch.float32, device=chunk.device)
                         for _ in range(num_scratch)
                     ]
-                visit(position, start, chunk, scratch[key])
+                visit(position, shards[position][1] + start, chunk, scratch[key])
 
-        on_cpu = all(t.device.type == "cpu" for _, t in tensors)
+        on_cpu = all(local.device.type == "cpu" for local, _ in shards)
         workers = min(self.num_workers, len(work)) if on_cpu else 1
         if workers <= 1:
             run(work)
@@ -443,9 +480,9 @@ class Noise:
             futures = [self._pool.submit(run, work[w::workers]) for w in range(workers)]
             for future in futures:
                 future.result()
-        for (_, tensor), flat in zip(tensors, flats):
-            if not tensor.is_contiguous():
-                tensor.data.copy_(flat.view_as(tensor))
+        for (local, _), flat in zip(shards, flats):
+            if not local.is_contiguous():
+                local.data.copy_(flat.view_as(local))
 
     def update_chunk_(
         self,
@@ -455,23 +492,25 @@ class Noise:
         start: int,
         decay: float,
         terms: Sequence[tuple[int, float]],
+        total: int | None = None,
     ) -> None:
         """In place, ``chunk <- decay * chunk + sum(coeff * z(seed)[start:] for seed, coeff in terms)``.
 
-        `chunk` is elements ``[start, start + chunk.numel())`` of parameter `index` (flat), `scratch` an fp32 buffer
-        of its size for the noise. Every sweep updates chunks this way, so all of them round alike: each operation
-        (the decay, then each term) rounds once to `chunk`'s dtype, so that the result does not depend on how the
-        operations are grouped into sweeps; stochastically for a bfloat16 chunk with `stochastic_rounding`.
+        `chunk` is elements ``[start, start + chunk.numel())`` of parameter `index` (flat, `total` elements: needed
+        for a chunk of a shard, see :meth:`fill_`), `scratch` an fp32 buffer of its size for the noise. Every sweep
+        updates chunks this way, so all of them round alike: each operation (the decay, then each term) rounds once
+        to `chunk`'s dtype, so that the result does not depend on how the operations are grouped into sweeps;
+        stochastically for a bfloat16 chunk with `stochastic_rounding`.
         """
         if self.stochastic_rounding and chunk.dtype in (torch.bfloat16, torch.float16):
-            self._update_chunk_stochastically_(chunk, scratch, index, start, decay, terms)
+            self._update_chunk_stochastically_(chunk, scratch, index, start, decay, terms, total)
             return
         if decay != 1.0:
             chunk.mul_(decay)
         for seed, coeff in terms:
             if not coeff:
                 continue
-            z = self.chunk(scratch, seed, index, start)
+            z = self.chunk(scratch, seed, index, start, total)
             if self._is_philox:
                 # The compiled kernel's rounding: the product (in fp32, or float64 for float64 chunks), then the sum.
                 chunk.add_(z.to(torch.promote_types(chunk.dtype, torch.float32)) * coeff)
@@ -486,6 +525,7 @@ class Noise:
         start: int,
         decay: float,
         terms: Sequence[tuple[int, float]],
+        total: int | None = None,
     ) -> None:
         """:meth:`update_chunk_` of a bfloat16 `chunk`, each operation computed in fp32 and rounded stochastically
         with the bits of :func:`rounding_seed` for that operation, at the chunk's elements of parameter `index`."""
@@ -500,7 +540,7 @@ class Noise:
         for seed, coeff in terms:
             if not coeff:
                 continue
-            z = self.chunk(scratch, seed, index, start)
+            z = self.chunk(scratch, seed, index, start, total)
             # The product, then the sum, each rounded once in fp32: no fused multiply-add, which only some lanes of
             # a vectorized loop would use, so every chunking gives the same value.
             torch.mul(z, coeff, out=value)
@@ -508,14 +548,17 @@ class Noise:
             self._round_into_(chunk, value, scratch, rounding_seed(seed, coeff), index, start)
 
     def _value_buffer(self, scratch: torch.Tensor) -> torch.Tensor:
-        """A per-thread fp32 buffer of `scratch`'s size and device, for the value before rounding."""
+        """A per-thread fp32 buffer of `scratch`'s size and device, for the value before rounding: a view of one
+        buffer per device, so the last chunks of tensors of many sizes add nothing."""
         buffers = getattr(self._local, "rounding_values", None)
         if buffers is None:
             buffers = self._local.rounding_values = {}
-        key = (scratch.device, scratch.numel())
-        if key not in buffers:
-            buffers[key] = torch.empty_like(scratch)
-        return buffers[key]
+        buffer = buffers.get(scratch.device)
+        if buffer is None or buffer.numel() < scratch.numel():
+            buffer = buffers[scratch.device] = torch.empty(
+                max(scratch.numel(), self.chunk_numel), dtype=torch.float32, device=scratch.device
+            )
+        return buffer[: scratch.numel()]
 
     def _round_into_(
         self, chunk: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor, seed: int, index: int, start: int
@@ -553,21 +596,10 @@ class Noise:
 
         def visit(position, start, chunk, scratch):
             decay, terms = plans[position]
-            self.update_chunk_(chunk, scratch[0], selected[position][0], start, decay, terms)
+            index, tensor = selected[position]
+            self.update_chunk_(chunk, scratch[0], index, start, decay, terms, tensor.numel())
 
         self.map_chunks(selected, visit)
-
-
-def _fused_kernel_can_update(tensor: torch.Tensor) -> bool:
-    """Whether the compiled kernel can sweep `tensor` in place (else chunks of noise are generated and added)."""
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
-
-
-def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat view sharing memory when possible, else a contiguous copy written back after the sweep."""
-    if tensor.is_contiguous():
-        return tensor.data.view(-1)
-    return tensor.data.contiguous().view(-1)
 
 
 def round_stochastically_(out: torch.Tensor, value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -633,6 +665,56 @@ def kept_update(
             dot += float((a[start:stop].double() - b[start:stop].double()) @ part)
             norm += float(part @ part)
     return dot / norm if norm else float("nan")
+
+
+def _fused_kernel_can_update(tensor: torch.Tensor) -> bool:
+    """Whether the compiled kernel can sweep `tensor` in place (else chunks of noise are generated and added): it
+    numbers the elements from 0, so a shard of a `DTensor` goes through the chunked sweep, which gives the same
+    bits."""
+    return (
+        not isinstance(tensor, DTensor)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+        and tensor.is_contiguous()
+    )
+
+
+def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of `tensor` this process holds, and the position of the first of them in the flat tensor.
+
+    A plain tensor is held whole: ``(tensor, 0)``. A `DTensor` sharded by rows (`Shard(0)`, FSDP2's layout, possibly
+    replicated over other mesh dimensions) holds rows ``[r * ceil(n / k), (r + 1) * ceil(n / k))`` of its ``n`` on
+    shard ``r`` of ``k``: a contiguous range of the flat tensor, so its noise is that range of the whole tensor's.
+
+    Raises:
+        `ValueError`: for a `DTensor` placed otherwise (sharded on another dimension, or on several mesh
+            dimensions), whose local elements are not one range of the flat tensor.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    local = tensor.to_local()
+    sharded = [dim for dim, placement in enumerate(tensor.placements) if not isinstance(placement, Replicate)]
+    if not sharded:
+        return local, 0
+    if len(sharded) > 1 or tensor.placements[sharded[0]] != Shard(0):
+        raise ValueError(
+            f"Cannot perturb a DTensor placed as {tensor.placements}: only row sharding (Shard(0) on one mesh "
+            "dimension, FSDP2's layout) keeps a shard's elements one range of the flat tensor. Shard the model with "
+            "torch.distributed.fsdp.fully_shard (or Accelerate's fsdp_version: 2)."
+        )
+    mesh_dim = sharded[0]
+    shards, shard = tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
+    rows = tensor.shape[0]
+    first_row = min(shard * -(-rows // shards), rows)
+    row_numel = tensor.numel() // rows if rows else 0
+    return local, first_row * row_numel
+
+
+def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view sharing memory when possible, else a contiguous copy written back after the sweep."""
+    if tensor.is_contiguous():
+        return tensor.data.view(-1)
+    return tensor.data.contiguous().view(-1)
 
 
 def perturb_(tensors: Sequence[tuple[int, torch.Tensor]], seed: int, scale: float, noise: Noise | None = None) -> None:

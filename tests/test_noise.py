@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_zo.noise import NOISE_BLOCK_NUMEL, Noise, NoiseUpdate, perturb_, restore_and_update_
+from hf_zo.noise import NOISE_ALGORITHMS, NOISE_BLOCK_NUMEL, Noise, NoiseUpdate, perturb_, restore_and_update_
 
 
 def _params(seed=0):
@@ -108,6 +108,16 @@ def test_non_contiguous_and_low_precision_tensors():
     torch.testing.assert_close(half.float(), noise.sample(3, 0, (100,)), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("algorithm", NOISE_ALGORITHMS)
+def test_any_element_range_has_the_noise_of_the_whole_tensor(algorithm):
+    # An FSDP2 shard starts anywhere in its parameter (inside a block of the "torch" algorithm too).
+    noise = Noise(algorithm=algorithm, chunk_numel=NOISE_BLOCK_NUMEL)
+    whole = noise.sample(5, 2, (3 * NOISE_BLOCK_NUMEL,))
+    for start, numel in [(3, 10), (NOISE_BLOCK_NUMEL - 7, 20), (NOISE_BLOCK_NUMEL + 1, 2 * NOISE_BLOCK_NUMEL - 1)]:
+        part = noise.fill_(torch.empty(numel), 5, 2, start, total=whole.numel())
+        assert torch.equal(part, whole[start : start + numel])
+
+
 def test_invalid_arguments_are_rejected():
     with pytest.raises(ValueError, match="Unknown noise distribution 'uniform'"):
         Noise("uniform")
@@ -115,5 +125,7 @@ def test_invalid_arguments_are_rejected():
         Noise(chunk_numel=0)
     with pytest.raises(ValueError, match="multiple of"):
         Noise(algorithm="torch").fill_(torch.empty(10), 0, 0, start=3)
+    with pytest.raises(ValueError, match="must lie within the parameter's 12 elements"):
+        Noise(algorithm="torch").fill_(torch.empty(10), 0, 0, start=3, total=12)
     with pytest.raises(ValueError, match="Unknown noise algorithm 'mt19937'"):
         Noise(algorithm="mt19937")

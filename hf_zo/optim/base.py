@@ -96,8 +96,9 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     Declarations (class attributes a subclass sets to describe itself; the rest of hf_zo reads them):
         name: the registry name (given as ``class ...(ZOOptimizer, name="...")``; `None` on unregistered classes).
         group_hyperparameters, needs_center_loss, stateless, default_noise, min_num_perturbations, supported_noise,
-        supports_offload, supports_dual_engine, supports_data_parallel, supports_perturbation_parallel, replayable,
-        limitations: documented below; :meth:`config_kwargs` names the `ZOConfig` fields of its own arguments.
+        supports_offload, supports_dual_engine, supports_data_parallel, supports_perturbation_parallel,
+        supports_fsdp, replayable, limitations: documented below; :meth:`config_kwargs` names the `ZOConfig`
+        fields of its own arguments.
     """
 
     name: str | None = None
@@ -139,6 +140,11 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     supports_perturbation_parallel: bool = True
     """Whether the forwards of one micro-batch can be shared among processes (`zo_perturbation_parallel_size > 1`)."""
 
+    supports_fsdp: bool = False
+    """Whether it trains FSDP2-sharded parameters: its whole update waits in the pending move, which each process
+    applies to its own shards (an update that sweeps a per-element state or shapes its noise by the whole tensor
+    does not)."""
+
     limitations: dict[str, str] = {}
     """Why a feature declared unsupported is refused, by feature (`"dual_engine"`, `"data_parallel"`,
     `"perturbation_parallel"`, `"noise"`, `"num_perturbations"`, `"replay"`): the error message's text."""
@@ -168,6 +174,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         pertp_size: int = 1,
         noise: str | None = None,
         num_perturbations: int | None = None,
+        fsdp: bool = False,
     ) -> None:
         """Raise a `ValueError` naming the `ZOConfig` field and the fix when this optimizer cannot run so.
 
@@ -180,6 +187,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
             dp_size, pertp_size (`int`): the mesh (``processes / zo_perturbation_parallel_size`` and that size).
             noise (`str`, *optional*): the noise distribution (`zo_noise`).
             num_perturbations (`int`, *optional*): `zo_num_perturbations`.
+            fsdp (`bool`): whether the parameters are FSDP2-sharded (an FSDP2 launch).
         """
         label = f"zo_optimizer={cls.name!r}" if cls.name else cls.__name__
         reasons = cls.limitations
@@ -211,6 +219,13 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
                 f"{reasons.get('perturbation_parallel', label + ' cannot share its forwards among processes')}, "
                 f"which perturbation parallelism does not split between ranks; set zo_perturbation_parallel_size=1 "
                 f"(got {pertp_size}) and use data parallelism instead."
+            )
+        if fsdp and not cls.supports_fsdp:
+            able = " or ".join(repr(n) for n, c in ZO_OPTIMIZERS.items() if c.supports_fsdp)
+            raise ValueError(
+                f"FSDP2 needs zo_optimizer={able} (got {cls.name or cls.__name__!r}): only an update that waits in "
+                "the pending move is applied shard by shard. Launch without FSDP (ZO data parallelism, or "
+                "zo_offload for a model larger than one device) to use this optimizer."
             )
         if dp_size > 1 and not cls.supports_data_parallel:
             raise ValueError(
@@ -310,8 +325,15 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         self.params = LazyParameters(tensors, self.noise)
         exact_restore = self._exact_restore
         low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in tensors)
+        if exact_restore and self.params.sharded:
+            raise ValueError(
+                "exact_restore=True (zo_exact_restore) restores the weights from a copy after the forwards, which "
+                "FSDP2-sharded parameters cannot take between the forwards of the processes; keep fp32 weights "
+                "(with bf16=True for autocast) and leave zo_exact_restore unset under FSDP2."
+            )
         if exact_restore is None:
-            exact_restore = low_precision and sum(p.numel() for _, p in tensors) <= AUTO_CACHE_MAX_NUMEL
+            small = sum(p.numel() for _, p in tensors) <= AUTO_CACHE_MAX_NUMEL
+            exact_restore = low_precision and small and not self.params.sharded
         if low_precision and not exact_restore and self._exact_restore is None:  # not an explicit choice
             logger.warning(
                 "Trainable fp16/bf16 weights are restored by subtracting the noise, which drifts them by about 0.1 "
@@ -393,6 +415,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
         parallel = self.execution.parallel
         if parallel is not None:
             losses = parallel.run_forwards(self, closure, self._num_estimates // self.num_perturbations)
+            self.params.commit()  # every rank has made the same sweeps: FSDP2's shards take them
         else:
             losses = self.run_forwards(closure, self._num_estimates)
         return self.keep_estimates(self.records_from(losses), closure)
@@ -536,6 +559,7 @@ class ZOOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     def flush(self) -> None:
         """Apply any pending (fused, deferred) move so the parameters hold their true values."""
         self.estimator.flush()
+        self.params.commit()
 
     # ------------------------------------------------------------------ state
 

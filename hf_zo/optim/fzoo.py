@@ -47,6 +47,7 @@ class FZOO(ZOOptimizer, name="fzoo"):
     min_num_perturbations = 2
     supports_dual_engine = False
     supports_perturbation_parallel = False
+    supports_fsdp = True
     limitations = {
         "num_perturbations": "divides its step by the spread of the perturbed losses (the paper uses 8)",
         "dual_engine": "runs one-sided forwards around a centre loss",

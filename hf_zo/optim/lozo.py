@@ -82,6 +82,7 @@ class LOZO(ZOSGD, name="lozo"):
 
     group_hyperparameters = ("rank", "subspace_steps")
     supports_offload = False  # only ZO-SGD's plain noise is run with offloaded blocks
+    supports_fsdp = False  # its noise is shaped by the whole weight matrix, not by element ranges
     supported_noise = ("gaussian", "rademacher")
     limitations = {"noise": "draws low-rank factors per weight matrix"}
 

@@ -19,6 +19,7 @@ class ZOSGD(ZOOptimizer, name="zo_sgd"):
 
     stateless = True
     supports_offload = True
+    supports_fsdp = True
 
     def _apply_records(self, records: list[ZORecord]) -> None:
         lrs, wds = self.group_values("lr"), self.group_values("weight_decay")

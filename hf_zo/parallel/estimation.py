@@ -25,6 +25,7 @@ import torch
 from ..estimator import EstimateLosses, ZORecord
 from ..optim.base import Closure, ZOOptimizer
 from .collectives import ScalarCollectives
+from .fsdp import ShardedForwards
 from .mesh import ZOMesh
 
 _RECORD_FIELDS = 5  # (k, seed, projected_grad bits, loss_plus bits, loss_minus bits), as int64; + curvature bits
@@ -52,18 +53,25 @@ class ParallelEstimation:
     Args:
         mesh (`ZOMesh`): this rank's place in the layout.
         collectives (`ScalarCollectives`): the counted collectives to exchange losses and records with.
+        sharded_model (`torch.nn.Module`, *optional*): the model when its parameters are FSDP2-sharded
+            (`hf_zo.parallel.fsdp`), which the optimizer must support; its forwards are then hooked to see this
+            rank's point of the step (`ShardedForwards`, for the optimizer whose forwards run).
     """
 
-    def __init__(self, mesh: ZOMesh, collectives: ScalarCollectives):
+    def __init__(self, mesh: ZOMesh, collectives: ScalarCollectives, sharded_model: torch.nn.Module | None = None):
         self.mesh = mesh
         self.collectives = collectives
+        self.sharded_model = sharded_model
+        self._sharded_forwards: ShardedForwards | None = None
         self._index_of_seed: dict[int, int] = {}
 
     def check(self, optimizer: ZOOptimizer) -> None:
         """Raise if `optimizer` cannot run on this mesh (called when the layout is given to it): its declarations
         (:meth:`~hf_zo.optim.ZOOptimizer.check_execution`), and a PertP size that divides a micro-batch's forwards."""
         check_perturbation_parallel_size(self.mesh.pertp_size, optimizer.num_perturbations)
-        type(optimizer).check_execution(dp_size=self.mesh.dp_size, pertp_size=self.mesh.pertp_size)
+        type(optimizer).check_execution(
+            dp_size=self.mesh.dp_size, pertp_size=self.mesh.pertp_size, fsdp=self.sharded_model is not None
+        )
 
     # ------------------------------------------------------------------ estimate
 
@@ -75,6 +83,7 @@ class ParallelEstimation:
         Returns the losses of this rank's micro-batch, complete (identical on the ranks of its PertP group).
         """
         q, dp = optimizer.num_perturbations, self.mesh.dp_size
+        self._hook_sharded_forwards(optimizer)
         own = []
         for dp_rank in range(dp):
             mine = dp_rank == self.mesh.dp_rank
@@ -84,6 +93,16 @@ class ParallelEstimation:
                 own = losses
                 self._index_of_seed.update((e.seed, first + j) for j, e in enumerate(losses))
         return self._exchange_losses(own)
+
+    def _hook_sharded_forwards(self, optimizer: ZOOptimizer) -> None:
+        """Under FSDP2, make the model's forwards see this rank's point of `optimizer`'s step (once per optimizer)."""
+        if self.sharded_model is None:
+            return
+        current = self._sharded_forwards
+        if current is None or current.params is not optimizer.params:
+            if current is not None:
+                current.remove()
+            self._sharded_forwards = ShardedForwards(self.sharded_model, optimizer.params)
 
     def _signs_of_forwards(self, j: int) -> tuple[int, ...]:
         """The forwards of estimate `j` of a micro-batch that this rank runs: forward ``f = 2 j + (0 for +, 1 for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,9 +17,12 @@ from ..optim import ZOExecution, ZOOptimizer
 from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
+from .fsdp import check_fsdp_layout, check_fsdp_version, fsdp_version_from_env, param_bytes, shard_model
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
 from .replicas import sync_replicas
 from .sliced import SlicedTransport, build_slice_group
+
+logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "HF_ZO_"
 DEFAULT_TIMEOUT_SECONDS = 1800.0
@@ -74,6 +78,11 @@ class DistZOPlugin:
             all-gather the rest over the device interconnect (`hf_zo.parallel.sliced`). Needs `offload` and
             ``perturbation_parallel_size > 1``. Environment: `HF_ZO_OFFLOAD_SLICED_UPLOAD` (`true`/`false`);
             default off.
+        fsdp_version (`int`, *optional*):
+            2 shards the parameters with FSDP2 per decoder block over all processes (`hf_zo.parallel.fsdp`): each
+            process holds, perturbs and updates only its shards, and the processes run as ZO data parallelism
+            does. Environment: Accelerate's own (`ACCELERATE_USE_FSDP` and `FSDP_VERSION`, set by `accelerate
+            launch` from a config with `distributed_type: FSDP` and `fsdp_version: 2`); default `None` (replicas).
 
     Attributes:
         mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
@@ -84,6 +93,7 @@ class DistZOPlugin:
         upload_stats (`CommStats`): the bytes of the sliced upload's block all-gathers (parameter bytes over the
             device interconnect), counted apart from the scalar collectives of :attr:`collectives`.
         offloader (`BlockOffloader`): the model's offloaded blocks, once :meth:`prepare_model` has offloaded them.
+        sharded_model (`nn.Module`): the model, once :meth:`prepare_model` has sharded it with FSDP2.
     """
 
     perturbation_parallel_size: int | None = None
@@ -94,11 +104,14 @@ class DistZOPlugin:
     offload_prefetch: int = 1
     offload_dtype: str | None = None
     sliced_upload: bool | None = None
+    fsdp_version: int | None = None
     mesh: ZOMesh | None = field(default=None, init=False, repr=False)
     collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
     replica_collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
     upload_stats: CommStats = field(default_factory=CommStats, init=False, repr=False)
     offloader: BlockOffloader | None = field(default=None, init=False, repr=False)
+    sharded_model: nn.Module | None = field(default=None, init=False, repr=False)
+    _sharded_layout: ParallelEstimation | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.perturbation_parallel_size is None:
@@ -118,6 +131,10 @@ class DistZOPlugin:
         if self.sliced_upload is None:
             self.sliced_upload = _from_env("OFFLOAD_SLICED_UPLOAD", _boolean, False)
         check_sliced_upload(self.sliced_upload, self.offload, self.perturbation_parallel_size)
+        if self.fsdp_version is None:
+            self.fsdp_version = fsdp_version_from_env()
+        check_fsdp_version(self.fsdp_version)
+        check_fsdp_layout(self.fsdp_version, self.offload, self.perturbation_parallel_size)
 
     @classmethod
     def from_zo_config(cls, args) -> DistZOPlugin:
@@ -157,6 +174,11 @@ class DistZOPlugin:
         return self.mesh
 
     @property
+    def shards_parameters(self) -> bool:
+        """Whether the parameters are sharded with FSDP2 (`fsdp_version=2` on more than one process)."""
+        return self.fsdp_version == 2 and self.is_distributed
+
+    @property
     def is_distributed(self) -> bool:
         """Whether the run spans more than one process."""
         return self.setup().world_size > 1
@@ -187,11 +209,14 @@ class DistZOPlugin:
         return sync_replicas(named_tensors, self.replica_collectives)
 
     def prepare_model(self, model: nn.Module, device: torch.device | str | None = None) -> BlockOffloader | None:
-        """Offload the blocks of `model` as :attr:`offload` says (nothing to do when it is `None`).
+        """Offload the blocks of `model` as :attr:`offload` says, or shard them with FSDP2 (:attr:`shards_parameters`;
+        see `hf_zo.parallel.fsdp.shard_model`); nothing to do otherwise.
 
-        Call it before the model moves to its device (`ZOTrainer` does, at construction): the blocks then stay in
-        storage. With :attr:`sliced_upload` the blocks arrive through a `SlicedTransport` over this rank's PertP
-        group (a process group of its own, created here on every rank).
+        Call it before the model moves to its device and before its optimizer is built (`ZOTrainer` does, at
+        construction): offloaded blocks then stay in storage, and the optimizer sweeps the shards. With
+        :attr:`sliced_upload` the blocks arrive through a `SlicedTransport` over this rank's PertP group (a process
+        group of its own, created here on every rank). Sharding logs the line ``hf_zo layout: fsdp2 world=<N>
+        local_param_bytes=<the most any process holds> total_param_bytes=<all parameters>``.
 
         Args:
             model (`nn.Module`): the model, PEFT already applied.
@@ -200,6 +225,9 @@ class DistZOPlugin:
         Returns:
             `BlockOffloader` or `None`: the offloader (also kept in :attr:`offloader`).
         """
+        if self.shards_parameters:
+            self._shard(model)
+            return None
         if self.offload is None:
             return None
         mesh = self.setup()
@@ -213,11 +241,29 @@ class DistZOPlugin:
         )
         return self.offloader
 
+    def _shard(self, model: nn.Module) -> None:
+        """Shard `model` over the data-parallel dimension of the mesh (every process, as perturbation parallelism
+        does not combine with FSDP2) and log its layout line."""
+        mesh = self.setup()
+        shard_model(model, mesh.device_mesh["dp"])
+        self.sharded_model = model
+        local, total = param_bytes(model)
+        largest = int(self.replica_collectives.all_gather(torch.tensor([local]), mesh.dp_group).max())
+        logger.info(
+            "hf_zo layout: fsdp2 world=%d local_param_bytes=%d total_param_bytes=%d", mesh.world_size, largest, total
+        )
+
     def layout(self) -> ParallelEstimation | None:
         """The parallel layout of this mesh, for an optimizer's `hf_zo.optim.ZOExecution` (`None` in a single
         process): ``ZOSGD(params, lr, execution=ZOExecution(parallel=plugin.layout()))``."""
         mesh = self.setup()
-        return ParallelEstimation(mesh, self.collectives) if mesh.world_size > 1 else None
+        if mesh.world_size == 1:
+            return None
+        if self.sharded_model is None:
+            return ParallelEstimation(mesh, self.collectives)
+        if self._sharded_layout is None:  # one for the model: it owns the hooks on its forwards
+            self._sharded_layout = ParallelEstimation(mesh, self.collectives, self.sharded_model)
+        return self._sharded_layout
 
     def prepare_optimizer(self, optimizer: ZOOptimizer) -> ZOOptimizer:
         """Make an optimizer built without :meth:`layout` split its estimates over the mesh, keeping its engine

@@ -1,20 +1,23 @@
-"""Where the model and the data go under the run's `DistZOPlugin` layout: identical replicas, offloaded blocks,
-batches sharded by data-parallel rank, and no gradient-synchronising wrapper."""
+"""Where the model and the data go under the run's `DistZOPlugin` layout: identical replicas, offloaded blocks or
+FSDP2 shards, batches sharded by data-parallel rank, and no gradient-synchronising wrapper."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from ..parallel import DistZOPlugin
+from ..parallel.fsdp import check_fsdp_layout
 from ..parallel.replicas import ReplicaCallback
 from .checks import check_parallel_mode, check_sampling_fits_layout
 
 __all__ = ["ZOLayoutMixin", "replica_state"]
+
 
 
 def replica_state(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -40,11 +43,14 @@ class ZOLayoutMixin:
         self.zo_plugin.setup()
         check_sampling_fits_layout(args, self.zo_plugin.mesh)
         check_parallel_mode(args, self.zo_plugin.mesh.world_size)
+        check_fsdp_layout(self.zo_plugin.fsdp_version, engine=args.zo_engine)
         self.zo_offloader = None
+        self._zo_full_state_dict = None
 
     def _add_zo_replica_check(self) -> None:
-        """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical."""
-        if self.zo_plugin.is_distributed:
+        """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical (not
+        under FSDP2: each process holds its own shards, no replica)."""
+        if self.zo_plugin.is_distributed and not self.zo_plugin.shards_parameters:
             self.add_callback(
                 ReplicaCallback(
                     self.args.zo_verify_replicas_steps,
@@ -55,14 +61,14 @@ class ZOLayoutMixin:
             )
 
     def _prepare_zo_model(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """Make `model` ready before `Trainer` places it on `device`: identical on every rank, and offloaded."""
+        """Make `model` ready before `Trainer` places it on `device`: identical on every rank, then offloaded or
+        sharded with FSDP2, before its optimizer is built over the tensors it will sweep."""
         # What DDP does when it wraps a model: every rank starts from rank 0's weights (a new head or LoRA matrix
         # is initialised from each process's own RNG). Done before offload, while every tensor is resident.
         self.zo_plugin.sync_replicas(replica_state(model))
         # Blocks go to their storage tier before Trainer places the model: they ignore `.to()`, so only the resident
-        # modules reach the device.
-        if self.zo_plugin.offload is not None:
-            self.zo_offloader = self.zo_plugin.prepare_model(model, device)
+        # modules reach the device. Under FSDP2 each rank keeps its shards of rank 0's weights.
+        self.zo_offloader = self.zo_plugin.prepare_model(model, device)
         return model
 
     def call_model_init(self, trial=None) -> torch.nn.Module:
@@ -83,9 +89,30 @@ class ZOLayoutMixin:
             self._move_model_to_device(self.model, args.device)
         self.model_wrapped = self.model
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`; under FSDP2 every rank first takes part in gathering the whole weights, which the
+        saving process writes as an ordinary Hugging Face folder (it loads without FSDP)."""
+        if self.zo_plugin.shards_parameters:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            whole = get_model_state_dict(self.model, options=options)
+            # Tied names share one tensor again, as in the unsharded model, so that `save_pretrained` keeps one.
+            first_name = {}
+            for name, param in self.model.named_parameters(remove_duplicate=False):
+                first = first_name.setdefault(id(param), name)
+                if first != name and first in whole and name in whole:
+                    whole[name] = whole[first]
+            self._zo_full_state_dict = whole
+        try:
+            super().save_model(output_dir, _internal_call=_internal_call)
+        finally:
+            self._zo_full_state_dict = None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """`Trainer._save`; a model with offloaded blocks writes its weights from their storage shard by shard, so
-        that saving holds the resident modules and a shard of the blocks, never the whole model."""
+        that saving holds the resident modules and a shard of the blocks, never the whole model. Under FSDP2 it
+        writes the weights gathered by :meth:`save_model`."""
+        if state_dict is None and self._zo_full_state_dict is not None:
+            state_dict = self._zo_full_state_dict
         if self.zo_offloader is None or state_dict is not None or not isinstance(self.model, PreTrainedModel):
             return super()._save(output_dir, state_dict)  # a PEFT model saves its adapter alone
         if not self.args.should_save:

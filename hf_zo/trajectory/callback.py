@@ -41,6 +41,12 @@ class ZOTrajectoryCallback(TrainerCallback):
             optimizer = getattr(optimizer, "optimizer", None)
         if optimizer is None or model is None:
             return
+        if optimizer.params.sharded:
+            logger.warning(
+                "The trajectory is not recorded under FSDP2 (its checksums need the whole weights, which no process "
+                "holds): the saved model is the run's result. Launch without FSDP to record a replayable trajectory."
+            )
+            return
         if self._handle is not None:
             self._handle.remove()
         if self.trajectory is None or self.trajectory.next_step != optimizer.zo_step:

@@ -1,0 +1,190 @@
+"""ZO under FSDP2: the parameters sharded per decoder block, each process sweeping only its own shards.
+
+`shard_model` applies `torch.distributed.fsdp.fully_shard` to each repeated block of the model (found from its own
+metadata, `hf_zo.engine.find_blocks`) and then to the root, as Accelerate's FSDP2 preparation does with its
+transformer wrap policy. Every parameter is then a `DTensor` whose local shard is a range of rows, hence one range of
+the flat tensor: the counter-based noise of that range is the noise one process gives those elements
+(`hf_zo.noise.local_shard`), so a shard is swept bitwise as one process sweeps the whole tensor.
+
+The processes run as ZO data parallelism does (`hf_zo.parallel.estimation`): each runs the forwards of its own
+micro-batches, at its own point of the step's sequence of sweeps, and the losses are exchanged as scalars. A forward
+gathers every process's shard, so the sweeps are held back from the shards (`hf_zo.estimator.LazyParameters`): just
+before a block computes, `ShardedForwards` brings each of its gathered trainable tensors to this process's point,
+and the shards take the held-back sweeps where every process has made them all. Nothing is sent but FSDP's own
+all-gathers and the step's loss scalars. Every module reshards after its forward (the root included, which FSDP2
+otherwise keeps gathered), so that each forward gathers the shards as they are.
+
+Which FSDP a launch asks for is read from Accelerate's own settings (`fsdp_version_from_env`): `accelerate launch`
+with a config whose `distributed_type` is `FSDP` sets them, on GPUs and CPUs alike. hf_zo shards the model itself in
+both cases, before its optimizer exists (Accelerate on CPUs would wrap the model in DDP instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from ..engine.blocks import find_blocks
+from ..estimator import LazyParameters
+from ..noise import local_shard
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ShardedForwards",
+    "check_fsdp_layout",
+    "check_fsdp_version",
+    "fsdp_version_from_env",
+    "param_bytes",
+    "shard_model",
+]
+
+
+def fsdp_version_from_env() -> int | None:
+    """The FSDP version an `accelerate launch` asked for (`ACCELERATE_USE_FSDP` and `FSDP_VERSION`, which its config's
+    `distributed_type: FSDP` and `fsdp_config.fsdp_version` set), or `None` when it asked for none."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() not in ("1", "true", "yes"):
+        return None
+    value = os.environ.get("FSDP_VERSION", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"FSDP_VERSION must be 1 or 2, got {value!r}; set fsdp_version: 2 in the config.") from None
+
+
+def check_fsdp_version(version: int | None) -> None:
+    """Raise unless `version` is `None` (no FSDP) or 2: hf_zo shards with FSDP2 (`fully_shard`) only."""
+    if version not in (None, 2):
+        raise ValueError(
+            f"fsdp_version={version!r}: hf_zo trains under FSDP2 only, whose parameters are DTensors each process can "
+            "sweep by its own rows. Set fsdp_version: 2 in the accelerate config's fsdp_config (FSDP_VERSION=2), or "
+            "launch without FSDP for ZO data parallelism."
+        )
+
+
+def check_fsdp_layout(
+    fsdp_version: int | None, offload: str | None = None, pertp_size: int = 1, engine: str | None = None
+) -> None:
+    """Raise when FSDP2 (`fsdp_version` 2) is asked for with what it does not combine with yet, naming the
+    alternative: offloaded blocks (`offload`), perturbation parallelism (`pertp_size` > 1) or the dual engine
+    (`engine`, `zo_engine`; `None` when not known yet)."""
+    if fsdp_version != 2:
+        return
+    if offload is not None:
+        raise ValueError(
+            f"zo_offload={offload!r} cannot combine with FSDP2: offload streams whole blocks from each process's "
+            "own storage, FSDP2 gathers them from every process's shards. For a model larger than one device on "
+            "one device, launch without FSDP and keep zo_offload; on several devices, drop zo_offload and keep FSDP2."
+        )
+    if pertp_size > 1:
+        raise ValueError(
+            f"zo_perturbation_parallel_size={pertp_size} cannot combine with FSDP2, whose forwards gather the "
+            "shards of every process at once while perturbation parallelism splits them among processes. Under "
+            "FSDP2 every process runs the forwards of its own micro-batches (as ZO data parallelism does): set "
+            "zo_perturbation_parallel_size=1 (and HF_ZO_PERTURBATION_PARALLEL_SIZE), or launch without FSDP."
+        )
+    if engine not in (None, "sequential"):
+        raise ValueError(
+            f"zo_engine={engine!r} cannot combine with FSDP2: the dual engine runs both perturbed passes block by "
+            "block on whole blocks, FSDP2 gathers them per forward. Set zo_engine='sequential' (the default), or "
+            "launch without FSDP to use the dual engine."
+        )
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` in place with FSDP2 over `mesh`: each repeated block, then the root, all resharded after
+    their forward.
+
+    Args:
+        model (`nn.Module`): a transformers model, possibly wrapped by PEFT, identical on every process.
+        mesh (`DeviceMesh`): a one-dimensional mesh over the processes that share the parameters.
+
+    Returns:
+        `nn.Module`: `model`, now an `FSDPModule` whose parameters are `DTensor`s.
+
+    Raises:
+        `hf_zo.engine.BlocksNotFoundError`: when the model has no repeated blocks to shard.
+    """
+    if isinstance(model, FSDPModule):
+        raise ValueError(
+            f"{type(model).__name__} is sharded already; hand ZOTrainer the model before fully_shard (hf_zo shards "
+            "it per block itself, so that its optimizer sees the shards it sweeps)."
+        )
+    for block in find_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model
+
+
+def param_bytes(model: nn.Module) -> tuple[int, int]:
+    """The bytes of the parameters of `model` this process holds (its shards, and whole tensors that are not
+    sharded), and the bytes of all of them, trainable and frozen; a tied tensor counts once."""
+    local = total = 0
+    for param in model.parameters():
+        shard, _ = local_shard(param)
+        local += shard.numel() * shard.element_size()
+        total += param.numel() * param.element_size()
+    return local, total
+
+
+class ShardedForwards:
+    """Forward pre-hooks that bring the gathered trainable tensors of each FSDP2 module to this process's point of
+    the step (:meth:`hf_zo.estimator.LazyParameters.replay_onto`), after FSDP2 has gathered them.
+
+    FSDP2 registers its own pre-hook first, so when a module's hook runs, its parameters are the gathered tensors,
+    freed again after its forward. A tensor tied to two modules of one FSDP2 group is brought there once.
+
+    Args:
+        model (`nn.Module`): the model sharded by :func:`shard_model`.
+        params (`LazyParameters`): the optimizer's trainable tensors (the model's `DTensor` parameters).
+    """
+
+    def __init__(self, model: nn.Module, params: LazyParameters):
+        self.params = params
+        position_of = {id(tensor): k for k, (_, tensor) in enumerate(params.tensors)}
+        self._handles: list[RemovableHandle] = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            inner = [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
+            nested = {id(p) for sub in inner for p in sub.parameters()}
+            owned, seen = [], set()
+            for sub in module.modules():
+                for attr, param in sub.named_parameters(recurse=False):
+                    position = position_of.get(id(param))
+                    if position is not None and id(param) not in nested and position not in seen:
+                        seen.add(position)
+                        owned.append((sub, attr, position))
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(self._hook(owned)))
+
+    def _hook(self, owned: list[tuple[nn.Module, str, int]]):
+        params = self.params
+
+        @torch.no_grad()
+        def bring_to_this_point(module, args):
+            if not params.held_back:
+                return
+            for sub, attr, position in owned:
+                gathered = getattr(sub, attr)
+                if isinstance(gathered, DTensor):
+                    raise RuntimeError(
+                        f"{type(sub).__name__}.{attr} is still sharded in its module's forward: FSDP2 gathers it in "
+                        "the pre-forward hook of its fully_shard module, which must run before hf_zo's."
+                    )
+                params.replay_onto(position, gathered)
+
+        return bring_to_this_point
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

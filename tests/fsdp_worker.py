@@ -1,0 +1,92 @@
+"""The program that `tests/test_fsdp.py` launches with `accelerate launch` and the FSDP2 CPU config (or runs in its own
+process, one thread, for the single-process reference).
+
+Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR``. Each rank trains tiny models with `ZOTrainer`, saves them
+with `save_model`, and writes ``OUT_DIR/rank{rank}.pt``: per run, the whole trainable parameters after training
+(gathered from the shards), the logged loss of every step and the tensors of the saved folder (rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from distributed_worker import lora  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
+
+from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm  # noqa: E402
+
+STEPS = 3
+FAMILIES = ("opt", "llama", "qwen2", "gpt2")
+
+
+def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole values of the trainable parameters of `model` (gathered from every rank's shards under FSDP2)."""
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {n: whole[n].detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def train(out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, dataset=None, **config) -> dict:
+    """Train `model` for `STEPS` steps and save it; return its parameters, losses and saved tensors."""
+    args = ZOConfig(
+        output_dir=str(out / name),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        zo_eps=1e-2,
+        seed=7,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        **config,
+    )
+    dataset = lm_dataset(64, length=8) if dataset is None else dataset
+    trainer = ZOTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+    params = trainable_parameters(model)
+    saved = {}
+    if trainer.args.should_save:
+        for file in ("model.safetensors", "adapter_model.safetensors"):
+            if (out / name / file).exists():
+                saved = load_file(str(out / name / file))
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"params": params, "losses": losses, "saved": saved}
+
+
+def run_scenario(scenario: str, out: Path) -> dict:
+    """Run the trainings of `scenario` on this rank; return ``{run name: results}``."""
+    accumulation = 2 if scenario == "reference" else 1
+    runs = {}
+    for family in FAMILIES:
+        runs[family] = train(out, family, tiny_causal_lm(family), accumulation)
+    runs["llama_lora"] = train(out, "llama_lora", lora(tiny_causal_lm("llama")), accumulation)
+    classify = dict(zo_head_init="none", zo_head_training="zeroth_order", dataset=classification_dataset(32))
+    runs["bert"] = train(out, "bert", tiny_bert_classifier(), accumulation, **classify)
+    return runs
+
+
+def main(scenario: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    runs = run_scenario(scenario, out)
+    with open(out / f"rank{os.environ.get('RANK', '0')}.pt", "wb") as f:
+        torch.save(runs, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
