@@ -1,8 +1,9 @@
 """A training run that the crash-safety tests kill with SIGKILL and resume (run as a script).
 
-Usage: python crash_worker.py OUTPUT_DIR [slow]. Resumes from the last complete checkpoint in OUTPUT_DIR if any,
-prints "STEP n" after every optimizer step (and "SAVING" inside each checkpoint save with `slow`), and writes the
-final weights to OUTPUT_DIR/final_state.pt.
+Usage: python crash_worker.py OUTPUT_DIR [slow|offload]. Resumes from the last complete checkpoint in OUTPUT_DIR if
+any, prints "STEP n" after every optimizer step (and "SAVING" inside each checkpoint save with `slow`), and writes
+the final weights to OUTPUT_DIR/final_state.pt. With `offload`, the blocks stream from the disk tier (dual engine,
+ZO-SGD), the weights of the steps being written back to the block files as the kill lands.
 """
 
 import os
@@ -25,8 +26,11 @@ class ReportSteps(TrainerCallback):
         print(f"STEP {state.global_step}", flush=True)
 
 
-def main(output_dir: str, slow_saves: bool) -> None:
+def main(output_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
+    offload = {}
+    if mode == "offload":
+        offload = {"zo_engine": "dual", "zo_offload": "disk", "zo_offload_dir": os.path.join(output_dir, "blocks")}
     args = ZOConfig(
         output_dir=output_dir,
         max_steps=16,
@@ -39,13 +43,14 @@ def main(output_dir: str, slow_saves: bool) -> None:
         report_to=[],
         disable_tqdm=True,
         use_cpu=True,
-        zo_optimizer="zo_adam",
+        zo_optimizer="zo_sgd" if offload else "zo_adam",
         seed=3,
+        **offload,
     )
     trainer = ZOTrainer(
         model=tiny_causal_lm("opt"), args=args, train_dataset=lm_dataset(24), callbacks=[ReportSteps()]
     )
-    if slow_saves:  # widen the window in which a kill lands inside a checkpoint save
+    if mode == "slow":  # widen the window in which a kill lands inside a checkpoint save
         save_rng_state = trainer._save_rng_state
 
         def slow_save_rng_state(folder):
@@ -62,4 +67,4 @@ def main(output_dir: str, slow_saves: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "slow")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")

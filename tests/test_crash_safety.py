@@ -16,15 +16,15 @@ WORKER = Path(__file__).parent / "crash_worker.py"
 KILLS = int(os.environ.get("HF_ZO_CRASH_KILLS", "4"))  # raise it for a longer campaign
 
 
-def _launch(output_dir: Path, slow: bool) -> subprocess.Popen:
+def _launch(output_dir: Path, slow: bool, mode: str = "") -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    command = [sys.executable, str(WORKER), str(output_dir)] + (["slow"] if slow else [])
+    command = [sys.executable, str(WORKER), str(output_dir), "slow" if slow else mode]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
 
-def _run_to_completion(output_dir: Path, process: subprocess.Popen | None = None) -> dict:
+def _run_to_completion(output_dir: Path, process: subprocess.Popen | None = None, mode: str = "") -> dict:
     """Let a run (started here unless `process` is given) finish; return its final weights."""
-    process = process or _launch(output_dir, slow=False)
+    process = process or _launch(output_dir, slow=False, mode=mode)
     out, _ = process.communicate(timeout=300)
     assert process.returncode == 0 and "DONE" in out, out
     return torch.load(output_dir / "final_state.pt", weights_only=True)
@@ -74,5 +74,24 @@ def test_sigkill_during_training_and_saves_then_resume_is_bitwise(tmp_path):
     print(f"kills: {kills}")
     reference = _run_to_completion(tmp_path / "reference", reference_process)
     resumed = _run_to_completion(crashed)
+    for name, value in reference.items():
+        assert torch.equal(value, resumed[name]), name
+
+
+def test_sigkill_during_a_disk_offload_step_then_resume_is_bitwise(tmp_path):
+    """The disk tier writes each step's updates into its block files in place; a kill in the middle of a step leaves
+    them half-updated, and the resume starts from the last complete checkpoint, not from those files."""
+    reference_process = _launch(tmp_path / "reference", slow=False, mode="offload")
+    crashed = tmp_path / "crashed"
+    process = _launch(crashed, slow=False, mode="offload")
+    for line in process.stdout:
+        if line.strip() == "STEP 5":
+            break
+    time.sleep(0.02)  # inside step 6: a checkpoint was written at step 4
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert get_last_checkpoint(str(crashed)) is not None
+    reference = _run_to_completion(tmp_path / "reference", reference_process)
+    resumed = _run_to_completion(crashed, mode="offload")
     for name, value in reference.items():
         assert torch.equal(value, resumed[name]), name
