@@ -536,7 +536,7 @@ class Noise:
             value.copy_(chunk).mul_(decay)
             # The decay's bits are keyed by the first term that follows it too: the same decay recurs every step.
             first = next((seed for seed, coeff in terms if coeff), 0)
-            self._round_into_(chunk, value, scratch, rounding_seed(first, decay), index, start)
+            self._round_into_(chunk, value, scratch, rounding_seed(first, decay), index, start, total)
         for seed, coeff in terms:
             if not coeff:
                 continue
@@ -545,7 +545,7 @@ class Noise:
             # a vectorized loop would use, so every chunking gives the same value.
             torch.mul(z, coeff, out=value)
             value.add_(chunk)
-            self._round_into_(chunk, value, scratch, rounding_seed(seed, coeff), index, start)
+            self._round_into_(chunk, value, scratch, rounding_seed(seed, coeff), index, start, total)
 
     def _value_buffer(self, scratch: torch.Tensor) -> torch.Tensor:
         """A per-thread fp32 buffer of `scratch`'s size and device, for the value before rounding: a view of one
@@ -561,11 +561,19 @@ class Noise:
         return buffer[: scratch.numel()]
 
     def _round_into_(
-        self, chunk: torch.Tensor, value: torch.Tensor, scratch: torch.Tensor, seed: int, index: int, start: int
+        self,
+        chunk: torch.Tensor,
+        value: torch.Tensor,
+        scratch: torch.Tensor,
+        seed: int,
+        index: int,
+        start: int,
+        total: int | None = None,
     ) -> None:
         """Write the fp32 `value` into the bfloat16 `chunk`, rounded stochastically with the random bits of `seed` at
-        elements ``[start, ...)`` of parameter `index` (`scratch` holds them; it is overwritten)."""
-        self._rounding_bits.fill_(scratch, seed, index, start)
+        elements ``[start, ...)`` of parameter `index` of `total` elements (`scratch` holds them; it is
+        overwritten)."""
+        self._rounding_bits.fill_(scratch, seed, index, start, total)
         bits = scratch.view(torch.int32)
         # The low 16 bits of a Gaussian sample are nearly uniform, but measurably biased low (their mean is 0.2%
         # under one half, as the rounding of the Box-Muller arithmetic leaves it); folded onto the sign, exponent and

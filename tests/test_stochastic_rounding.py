@@ -221,3 +221,18 @@ def test_a_plain_loop_replays_bitwise_with_the_restore_it_chose(tmp_path, exact_
     optimizer.flush()
     replay(base, trajectory.save(tmp_path, model))
     _assert_bitwise(_weights(base), _weights(model))
+
+
+@pytest.mark.parametrize("algorithm", ["philox", "torch"])
+def test_a_range_cut_anywhere_rounds_as_the_whole_tensor(algorithm):
+    """An FSDP2 shard's range may begin and end inside a noise block: its elements round as in the whole tensor."""
+    weights = _weights_near_002()[: 3 * (1 << 16) + 5]
+    update = NoiseUpdate(decay=1.0 - 1e-3, terms={7: -1e-6})
+    noise = Noise(algorithm=algorithm, stochastic_rounding=True)
+    whole = weights.clone()
+    noise.apply_([(2, whole)], [copy.deepcopy(update)])
+    start, stop = 1000, 2 * (1 << 16) + 17
+    shard = weights[start:stop].clone()
+    terms = list(update.terms.items())
+    noise.update_chunk_(shard, torch.empty(len(shard)), 2, start, update.decay, terms, len(weights))
+    assert torch.equal(shard, whole[start:stop])
