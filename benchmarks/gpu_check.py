@@ -10,7 +10,9 @@ part that fails or hangs does not stop the others:
   first-order AdamW step, ratios, peak CUDA memory;
 - `offload`: `offload.py --gpu-only`: the dual engine resident against `dual+cpu` (prefetch 1 and 0) and
   `dual+disk` on the same 1.3B model, ratios to resident;
-- `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark.
+- `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark;
+- `quantized`: `quantized_step.py`: ZO LoRA steps on a bitsandbytes 4-bit base (bitsandbytes' CUDA kernels), peak GPU
+  memory against 4-bit inference on the same batch (skipped without bitsandbytes, which the carried wheels lack).
 
 Writes under the output folder (`--out`, default `$OUT`): `figures.jsonl` (one JSON line per figure, tagged with its
 part), `summary.md` (a status table and the figures as tables; also printed at the end), `log.txt` (every part's
@@ -60,8 +62,8 @@ def gpu_test_files() -> list[str]:
 
 
 def build_parts(python: str, out: Path) -> list[Part]:
-    """The parts in run order. Their limits add up to 405 s; with 5 s of grace each before a kill and the wrapper's
-    30 s for installing wheels, the whole run stays under 8 minutes."""
+    """The parts in run order. Their limits add up to 440 s; with 5 s of grace each before a kill and the wrapper's
+    30 s for installing wheels, the whole run stays under 8.5 minutes."""
     accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
     if (CARRY / "minilm").is_dir():
         accuracy += ["--model", str(CARRY / "minilm")]
@@ -82,6 +84,7 @@ def build_parts(python: str, out: Path) -> list[Part]:
         ),
         Part("offload", 130, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
         Part("accuracy", 70, accuracy),
+        Part("quantized", 35, [python, "benchmarks/quantized_step.py", "--steps", "3"]),
     ]
 
 

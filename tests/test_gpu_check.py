@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["environment", "tests", "step_cost", "offload", "accuracy"]
+PARTS = ["environment", "tests", "step_cost", "offload", "accuracy", "quantized"]
 
 
 def _gpu_check_module():
@@ -37,7 +37,7 @@ def test_dry_run_starts_every_part_and_each_skips_cleanly(tmp_path):
     (tests,) = by_part["tests"]  # pytest really ran: its report counts the skipped gpu tests
     assert tests["tests_passed"] == tests["tests_failed"] == 0
     assert tests["tests_skipped"] >= 10 and tests["skipped"] == "needs a CUDA device"
-    for part in ("step_cost", "offload", "accuracy"):  # each script printed its own skip line
+    for part in ("step_cost", "offload", "accuracy", "quantized"):  # each script printed its own skip line
         assert [f["skipped"] for f in by_part[part]] == ["CUDA is not available"], part
 
     log = (tmp_path / "log.txt").read_text()

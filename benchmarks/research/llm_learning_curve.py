@@ -27,16 +27,18 @@ LoRA's 460,800), `mezo_lora_fa` (LoRA-FA: LoRA whose random down-projections A s
 184,320 parameters), `prompt_defaults` (what `examples/train.py` trains a prompt task on a causal LM with: LoRA on
 `hf_zo.training.prompt_lora_target_modules` of the layers `hf_zo.training.prompt_lora_layers`, the estimator
 `hf_zo.training.PROMPT_ZO_DEFAULTS`, the learning rate and eps `ZOConfig` fills in), `mezo_defaults` (the same LoRA
-with MeZO's ZO-SGD; `--set mezo_defaults.lora_layers=all` adapts every layer, as the defaults did until 2026-12-07).
+with MeZO's ZO-SGD; `--set mezo_defaults.lora_layers=all` adapts every layer, as the defaults did until 2026-12-07),
+`prompt_defaults_4bit` (the prompt defaults on a bitsandbytes NF4 base: `hf_zo.models.base_quantization_config`),
+`qlora_prompt_defaults` (first-order QLoRA with the same LoRA: PEFT's `prepare_model_for_kbit_training` and AdamW).
 LoRA: r 8, alpha 16, on q_proj and v_proj, as MeZO's LoRA runs (`--set mezo_lora.lora_target_modules='["q_proj"]'`
 chooses others, `--set 'mezo_lora.lora_layers=[10, 11]'` the layers). `--template mezo` (default) is MeZO's
 `{sentence} It was` / ` terrible`, ` great`; `--template review` is `Review: {sentence}\\nSentiment:` / ` negative`,
 ` positive`; `--template review_demos` is the review template after two demonstrations (one training phrase of
-each class, chosen on held-out sentences by benchmarks/research/llm_demonstrations.py); the others (`--zero_shot` compares
-them all, `--zero_shot_templates review,review_demos` some) include questions put through the model's chat template
-(`chat_question`, ...), the label word the first token of the answer. The learning rate is constant unless `--set`
-says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero over
-340 steps (about 20 minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
+each class, chosen on held-out sentences by benchmarks/research/llm_demonstrations.py); the others (`--zero_shot`
+compares them all, `--zero_shot_templates review,review_demos` some) include questions put through the model's chat
+template (`chat_question`, ...), the label word the first token of the answer. The learning rate is constant unless
+`--set` says otherwise: `--set mezo_lora.lr_scheduler_type=linear mezo_lora.max_steps=340` decays it linearly to zero
+over 340 steps (about 20 minutes of MeZO on LoRA here), as `Trainer` does by default over `max_steps`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from benchmarks.research.learning_curve import WallTimeBudget, read_movie_review
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.demo.memory import PeakMemory
 from hf_zo.metrics import build_compute_metrics
-from hf_zo.models import embedded_llm_path, norm_module_names
+from hf_zo.models import base_quantization_config, embedded_llm_path, norm_module_names
 from hf_zo.prompts import PromptClassification
 from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
 from hf_zo.training.defaults import lora_target_names
@@ -78,7 +80,8 @@ TEMPLATES = {
     "review_is": ("{sentence} The review is", (" negative", " positive")),
     "quoted_review": ('Movie review: "{sentence}"\nThe sentiment of this review is', (" negative", " positive")),
     # The review template after two demonstrations, one of each class (in-context examples, as LM-BFF's): SST-2
-    # training phrases outside the held-out slice, the pair and order chosen on it (benchmarks/research/llm_demonstrations.py).
+    # training phrases outside the held-out slice, the pair and order chosen on it
+    # (benchmarks/research/llm_demonstrations.py).
     "review_demos": (
         "Review: chai 's structure and pacing are disconcertingly slack .\nSentiment: negative\n\n"
         "Review: i liked about schmidt a lot ,\nSentiment: positive\n\n"
@@ -147,6 +150,20 @@ VARIANTS: dict[str, dict] = {
     "adamw_lora": {"method": "lora", "trainer": "adamw", "learning_rate": 2e-4},
     "adamw_full": {"method": "full", "trainer": "adamw", "learning_rate": 1e-5},
     "adamw_ln": {"method": "ln", "trainer": "adamw", "learning_rate": 1e-3},
+    # The prompt defaults on a bitsandbytes NF4 base (compute in float32), and first-order QLoRA on it with the same
+    # LoRA: PEFT's prepare_model_for_kbit_training, then AdamW at adamw_lora's rate.
+    "prompt_defaults_4bit": {
+        "method": "lora_prompt_default",
+        "trainer": "zo",
+        "load_in_4bit": True,
+        **PROMPT_ZO_DEFAULTS,
+    },
+    "qlora_prompt_defaults": {
+        "method": "lora_prompt_default",
+        "trainer": "adamw",
+        "load_in_4bit": True,
+        "learning_rate": 2e-4,
+    },
 }
 
 
@@ -254,13 +271,23 @@ def load_data(options: argparse.Namespace):
 
 
 def build_model(
-    path: str, method: str, lora_target_modules: list[str] | None = None, lora_layers: list[int] | str | None = None
+    path: str,
+    method: str,
+    lora_target_modules: list[str] | None = None,
+    lora_layers: list[int] | str | None = None,
+    load_in_4bit: bool = False,
+    first_order: bool = False,
 ):
     """The model a variant trains: the LLM with LoRA (on `lora_target_modules` of the layers `lora_layers`: default
     every layer, or for the prompt default `hf_zo.training.prompt_lora_layers`; `"all"`: every layer), LoRA-FA, LN
-    tuning, or all of its weights (`method`)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model
+    tuning, or all of its weights (`method`); with `load_in_4bit` on a bitsandbytes NF4 base, prepared for a backward
+    pass by `peft.prepare_model_for_kbit_training` when `first_order` (QLoRA)."""
+    quantization = base_quantization_config(load_in_4bit=load_in_4bit, compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization)
+    from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
+
+    if load_in_4bit and first_order:
+        model = prepare_model_for_kbit_training(model)
 
     if method == "lora_prompt_default":  # LoRA as examples/train.py builds it for a prompt task on a causal LM
         lora_target_modules = prompt_lora_target_modules(model)
@@ -283,7 +310,8 @@ def build_model(
 
 
 def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, train, evaluation) -> Trainer:
-    fields = {k: v for k, v in spec.items() if k not in ("method", "trainer", "lora_target_modules", "lora_layers")}
+    model_fields = ("method", "trainer", "lora_target_modules", "lora_layers", "load_in_4bit")
+    fields = {k: v for k, v in spec.items() if k not in model_fields}
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="hf_zo_llm_curve_"),
         max_steps=10**6,
@@ -298,7 +326,14 @@ def build_trainer(spec: dict, options, tokenizer, task: PromptClassification, tr
         label_names=["labels"],
     )
     common.update(fields)  # the variant's fields and `--set` override the shared ones
-    model = build_model(options.model, spec["method"], spec.get("lora_target_modules"), spec.get("lora_layers"))
+    model = build_model(
+        options.model,
+        spec["method"],
+        spec.get("lora_target_modules"),
+        spec.get("lora_layers"),
+        load_in_4bit=spec.get("load_in_4bit", False),
+        first_order=spec["trainer"] == "adamw",
+    )
     kwargs = dict(
         model=model,
         train_dataset=train,
@@ -383,6 +418,7 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
         "best_accuracy": max(p["accuracy"] for p in curve),
         "inference_peak_mib": round(inference.peak_mib, 1),
         "training_peak_mib": round(training.peak_mib, 1),
+        "footprint_mib": round(trainer.model.get_memory_footprint() / 2**20, 1),
         "training_over_inference_memory": round(training.peak_mib / inference.peak_mib, 3),
         "curve": curve,
     }
