@@ -1,0 +1,123 @@
+"""ZO under FSDP2 (`hf_zo.parallel.fsdp`): two CPU processes launched with `accelerate launch` and the FSDP2 config of
+the examples train bitwise as one process with gradient accumulation 2, and what FSDP2 does not combine with is
+refused at construction.
+
+The launch is one module-scoped fixture (`tests/fsdp_worker.py`, every case in one launch); the reference runs in
+this process with one intra-op thread, as the workers do, so every comparison is bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fsdp_worker
+import pytest
+import torch
+
+from hf_zo.optim import ZO_OPTIMIZERS
+from hf_zo.parallel import DistZOPlugin
+from hf_zo.parallel.fsdp import check_fsdp_layout, check_fsdp_version, fsdp_version_from_env
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "accelerate_configs" / "fsdp2_cpu_2_processes.yaml"
+BIN = Path(sys.executable).parent
+RUNS = [*fsdp_worker.FAMILIES, "llama_lora", "bert"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """One process, gradient accumulation 2: the runs FSDP2 on two processes must reproduce."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fsdp_worker.run_scenario("reference", tmp_path_factory.mktemp("reference"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> list[dict]:
+    """accelerate launch with examples/accelerate_configs/fsdp2_cpu_2_processes.yaml: each rank's results."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_ZO_", "ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), str(ROOT / "tests" / "fsdp_worker.py")]
+    result = subprocess.run(
+        [*command, "fsdp2", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "terminate called" not in output, output[-5000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def _assert_bitwise_equal(tensors: dict, expected: dict) -> None:
+    assert tensors.keys() == expected.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, expected[name]), f"{name} differs by {(tensor - expected[name]).abs().max()}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", RUNS)
+def test_fsdp2_on_two_processes_equals_gradient_accumulation(fsdp2, reference, run):
+    # Each rank runs the forwards of its own micro-batch at its point of the step (global micro-batch 2m + r, as in
+    # ZO data parallelism), so the losses, the weights and the saved folder are those of one process.
+    expected = reference[run]
+    assert len(expected["losses"]) == fsdp_worker.STEPS
+    for rank in fsdp2:
+        assert rank[run]["losses"] == expected["losses"]
+        _assert_bitwise_equal(rank[run]["params"], expected["params"])
+    _assert_bitwise_equal(fsdp2[0][run]["saved"], expected["saved"])
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_runs_move_their_weights(reference):
+    # Guards the equalities above: three steps change every run's weights.
+    base = fsdp_worker.lora(fsdp_worker.tiny_causal_lm("llama"))
+    start = {n: p.detach() for n, p in base.named_parameters() if p.requires_grad}
+    assert all(not torch.equal(start[n], p) for n, p in reference["llama_lora"]["params"].items())
+
+
+def test_fsdp_version_is_read_from_accelerate_launch(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert fsdp_version_from_env() is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert fsdp_version_from_env() == 2
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="fsdp_version=1: hf_zo trains under FSDP2 only.*fsdp_version: 2"):
+        DistZOPlugin()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(offload="disk"), "zo_offload='disk' cannot combine with FSDP2.*launch without FSDP and keep zo_offload"),
+        (dict(pertp_size=2), "zo_perturbation_parallel_size=2 cannot combine with FSDP2.*=1"),
+        (dict(engine="dual"), "zo_engine='dual' cannot combine with FSDP2.*zo_engine='sequential'"),
+    ],
+)
+def test_what_fsdp2_does_not_combine_with_is_refused(kwargs, message):
+    check_fsdp_layout(None, **kwargs)  # without FSDP, all fine
+    with pytest.raises(ValueError, match=message):
+        check_fsdp_layout(2, **kwargs)
+
+
+def test_the_plugin_refuses_fsdp2_with_offload_at_construction():
+    with pytest.raises(ValueError, match="cannot combine with FSDP2"):
+        DistZOPlugin(fsdp_version=2, offload="cpu")
+    check_fsdp_version(None)
+    check_fsdp_version(2)
+
+
+@pytest.mark.parametrize("name", sorted(ZO_OPTIMIZERS))
+def test_only_optimizers_whose_update_waits_in_the_pending_move_run_under_fsdp2(name):
+    optimizer = ZO_OPTIMIZERS[name]
+    if name in ("zo_sgd", "fzoo"):
+        optimizer.check_execution(fsdp=True)
+    else:
+        with pytest.raises(ValueError, match=f"FSDP2 needs zo_optimizer='zo_sgd' or 'fzoo' \\(got '{name}'\\)"):
+            optimizer.check_execution(fsdp=True)
