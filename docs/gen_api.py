@@ -77,6 +77,7 @@ SECTIONS = [
     ("Sentence-encoder classifiers", "hf_zo.models.pooled_classifier", None),
     ("Norm tuning (PEFT `LNTuningConfig` on any model)", "hf_zo.models.norm_layers", None),
     ("The embedded LLM", "hf_zo.models.smollm2", None),
+    ("Quantized bases (bitsandbytes)", "hf_zo.models.quantized", None),
     ("Prompt-based classification (MeZO's recipe)", "hf_zo.prompts", None),
     ("PEFT's warnings that nobody can act on", "hf_zo.peft_warnings", None),
     ("Training batches grouped by length", "hf_zo.training.sampling", None),
