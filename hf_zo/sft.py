@@ -128,7 +128,9 @@ class ZOSFTTrainer(ZOTrainerMixin, SFTTrainer):
     the completion or assistant tokens when `completion_only_loss` / `assistant_only_loss` say so). SFT's training
     metrics (`entropy`, `mean_token_accuracy`, `num_tokens`) are recorded once per micro-batch, from its first
     forward, which runs on perturbed weights; the other forwards of the micro-batch record none. On the CPU, TRL's
-    fused LM head projects only the labelled positions (:func:`labelled_positions_only_on_cpu`).
+    fused LM head projects only the labelled positions (:func:`labelled_positions_only_on_cpu`). On a quantized base
+    (`model_init_kwargs={"quantization_config": ...}`, or `--load_in_4bit` in examples/sft.py) the adapter stays in
+    float32, where TRL would cast it to bfloat16 (:func:`adapter_back_to_float32`).
 
     Args:
         model (`str`, `PreTrainedModel` or `PeftModel`): the model, or its name to load, as for `SFTTrainer`.
