@@ -12,9 +12,11 @@ import re
 HEADER = """# API reference
 
 Every public object of hf_zo, by module, with its signature and what it is for. The objects re-exported by
-`import hf_zo` are: `ZOConfig`, `ZOTrainer`, the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
+`import hf_zo` (its `__all__`) are: `ZOConfig`, `ZOTrainer`, `ZOSFTConfig` and `ZOSFTTrainer` (TRL's `SFTTrainer`
+under ZO, imported on first use; `pip install "hf-zo[trl]"`), the optimizers (`ZOOptimizer`, `ZOSGD`, `ZOSGDMomentum`,
 `ZOSGDSign`, `ZOSGDConservative`, `ZOAdam`, `LOZO`, `HiZOO`, `FZOO`, `ZO_OPTIMIZERS`), the pooled sentence-encoder
-classifier (`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the estimator
+classifier (`PooledEncoderConfig`, `PooledEncoderForSequenceClassification`, `load_sequence_classifier`), the model
+helpers (`embedded_llm_path`, `norm_module_names`, `is_norm_module`), `PromptClassification`, the estimator
 (`ZORecord`, `LazyParameters`, `SPSAEstimator`), the noise (`Noise`, `NoiseUpdate`, `perturb_`,
 `restore_and_update_`) and the trajectory API (`ZOTrajectory`, `ZOTrajectoryStep`, `ZOTrajectoryCallback`,
 `replay`, `push_trajectory_to_hub`, `TRAJECTORY_NAME`, `TrajectoryFormatError`, `TrajectoryMismatchError`).
@@ -55,6 +57,12 @@ SECTIONS = [
             "publish_checkpoint",
             "replace_files_atomically",
         ],
+    ),
+    ("TRL: supervised fine-tuning under ZO", "hf_zo.sft", None),
+    (
+        "Tested dependency versions",
+        "hf_zo.dependency_versions",
+        ["RANGES", "EXTRA_RANGES", "check_dependency_versions"],
     ),
     ("Optimizers", "hf_zo.optim", None),
     ("Estimator", "hf_zo.estimator", ["ZORecord", "LazyParameters", "SPSAEstimator", "make_record"]),
@@ -124,7 +132,7 @@ for title, modname, names in SECTIONS:
         obj = getattr(mod, name)
         if inspect.isclass(obj):
             kind = "class"
-            sig = "(output_dir=None, ..., zo_eps=1e-3, ...)" if name == "ZOConfig" else signature(obj)
+            sig = "(output_dir=None, ..., zo_eps=1e-3, ...)" if name in ("ZOConfig", "ZOSFTConfig") else signature(obj)
             out.append(f"### `{name}{sig}`\n")
             out.append(f"*class* `{obj.__module__}.{name}`\n")
             if name == "ZOConfig":
