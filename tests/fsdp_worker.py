@@ -35,8 +35,12 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: whole[n].detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def train(out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, dataset=None, **config) -> dict:
-    """Train `model` for `STEPS` steps and save it; return its parameters, losses and saved tensors."""
+def train(
+    out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, dataset=None, resume=None, **config
+) -> dict:
+    """Train `model` for `STEPS` steps (from checkpoint `resume` if given) and save it; return its parameters,
+    losses and saved tensors."""
+    config = {"save_strategy": "no", **config}
     args = ZOConfig(
         output_dir=str(out / name),
         per_device_train_batch_size=2,
@@ -47,7 +51,6 @@ def train(out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, d
         zo_eps=1e-2,
         seed=7,
         logging_steps=1,
-        save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         use_cpu=True,
@@ -56,7 +59,7 @@ def train(out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, d
     )
     dataset = lm_dataset(64, length=8) if dataset is None else dataset
     trainer = ZOTrainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     params = trainable_parameters(model)
     saved = {}
@@ -71,10 +74,15 @@ def train(out: Path, name: str, model: torch.nn.Module, accumulation: int = 1, d
 def run_scenario(scenario: str, out: Path) -> dict:
     """Run the trainings of `scenario` on this rank; return ``{run name: results}``."""
     accumulation = 2 if scenario == "reference" else 1
+    checkpoint = dict(save_strategy="steps", save_steps=2)  # checkpoint-2, which the FSDP2 launch resumes from
     runs = {}
     for family in FAMILIES:
-        runs[family] = train(out, family, tiny_causal_lm(family), accumulation)
-    runs["llama_lora"] = train(out, "llama_lora", lora(tiny_causal_lm("llama")), accumulation)
+        runs[family] = train(out, family, tiny_causal_lm(family), accumulation, **checkpoint)
+    runs["llama_lora"] = train(out, "llama_lora", lora(tiny_causal_lm("llama")), accumulation, **checkpoint)
+    if scenario == "fsdp2":
+        for run, model in (("opt", tiny_causal_lm("opt")), ("llama_lora", lora(tiny_causal_lm("llama")))):
+            resume = str(out / run / "checkpoint-2")
+            runs[f"{run}_resumed"] = train(out, f"{run}_resumed", model, resume=resume)
     classify = dict(zo_head_init="none", zo_head_training="zeroth_order", dataset=classification_dataset(32))
     runs["bert"] = train(out, "bert", tiny_bert_classifier(), accumulation, **classify)
     return runs

@@ -74,6 +74,16 @@ def test_fsdp2_on_two_processes_equals_gradient_accumulation(fsdp2, reference, r
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("run", ["opt", "llama_lora"])
+def test_fsdp2_resumes_from_its_checkpoint_bitwise(fsdp2, reference, run):
+    # checkpoint-2 holds the whole weights (an ordinary folder); each rank loads its own rows of them.
+    for rank in fsdp2:
+        assert rank[f"{run}_resumed"]["losses"] == reference[run]["losses"]
+        _assert_bitwise_equal(rank[f"{run}_resumed"]["params"], reference[run]["params"])
+    _assert_bitwise_equal(fsdp2[0][f"{run}_resumed"]["saved"], reference[run]["saved"])
+
+
+@pytest.mark.multiprocess
 def test_fsdp2_runs_move_their_weights(reference):
     # Guards the equalities above: three steps change every run's weights.
     base = fsdp_worker.lora(fsdp_worker.tiny_causal_lm("llama"))

@@ -21,10 +21,12 @@ both cases, before its optimizer exists (Accelerate on CPUs would wrap the model
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -42,6 +44,7 @@ __all__ = [
     "check_fsdp_layout",
     "check_fsdp_version",
     "fsdp_version_from_env",
+    "load_saved_shards",
     "param_bytes",
     "shard_model",
 ]
@@ -132,6 +135,49 @@ def param_bytes(model: nn.Module) -> tuple[int, int]:
         local += shard.numel() * shard.element_size()
         total += param.numel() * param.element_size()
     return local, total
+
+
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
+
+
+def load_saved_shards(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Load into each parameter of the FSDP2-sharded `model` its shard of the weights saved in `folder` (a
+    checkpoint or a `save_model` folder: whole tensors, in safetensors, possibly split into several files, as
+    `save_model` writes them). A PEFT model loads its adapter (the frozen base stays as it is). No process sends
+    anything: each reads the file and keeps its own rows.
+
+    Raises:
+        `FileNotFoundError`: when `folder` holds no weights file.
+        `ValueError`: when a parameter of `model` is missing from the saved weights.
+    """
+    saved = _read_weights(folder)
+    adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = name if adapter is None else name.replace(f".{adapter}.", ".")
+            if key not in saved:
+                if adapter is not None and not param.requires_grad:
+                    continue  # the frozen base of an adapter, which the checkpoint does not hold
+                raise ValueError(
+                    f"{folder} does not hold {key!r}, a parameter of {type(model).__name__}: resume with the model "
+                    "(and PEFT config) that wrote it."
+                )
+            shard, offset = local_shard(param)
+            whole = saved[key].reshape(-1).to(shard.dtype)
+            shard.view(-1).copy_(whole[offset : offset + shard.numel()])
+
+
+def _read_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors weights in `folder` (one file, or the files of its index)."""
+    for file in WEIGHT_FILES:
+        index = os.path.join(folder, file + ".index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            return {k: v for name in files for k, v in load_file(os.path.join(folder, name)).items()}
+        if os.path.isfile(os.path.join(folder, file)):
+            return load_file(os.path.join(folder, file))
+    raise FileNotFoundError(f"{folder} holds none of {WEIGHT_FILES} (nor their .index.json): no weights to resume.")
 
 
 class ShardedForwards:

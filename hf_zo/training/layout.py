@@ -12,12 +12,11 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from ..parallel import DistZOPlugin
-from ..parallel.fsdp import check_fsdp_layout
+from ..parallel.fsdp import check_fsdp_layout, load_saved_shards
 from ..parallel.replicas import ReplicaCallback
 from .checks import check_parallel_mode, check_sampling_fits_layout
 
 __all__ = ["ZOLayoutMixin", "replica_state"]
-
 
 
 def replica_state(model: torch.nn.Module, trainable_only: bool = False) -> list[tuple[str, torch.Tensor]]:
@@ -131,6 +130,14 @@ class ZOLayoutMixin:
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """`Trainer._load_from_checkpoint`; under FSDP2 each rank loads its shards of the checkpoint's whole weights
+        (`hf_zo.parallel.fsdp.load_saved_shards`)."""
+        if not self.zo_plugin.shards_parameters:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_saved_shards(self.model if model is None else model, resume_from_checkpoint)
         return None
 
     def get_train_dataloader(self):
