@@ -12,16 +12,26 @@ part that fails or hangs does not stop the others:
   `dual+disk` on the same 1.3B model, ratios to resident;
 - `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark;
 - `quantized`: `quantized_step.py`: ZO LoRA steps on a bitsandbytes 4-bit base (bitsandbytes' CUDA kernels), peak GPU
-  memory against 4-bit inference on the same batch (skipped without bitsandbytes, which the carried wheels lack).
+  memory against 4-bit inference on the same batch (skipped without bitsandbytes, which the carried wheels lack);
+- `big_model` (last, so that it cannot take time from the others): `big_model.py --device cuda --steps 2` on random
+  Llama checkpoints drawn on the GPU and written to `$HF_ZO_HOME/big_model` (on the machine's disk; kept, so a
+  second run on the same machine skips the build): the 7B shape's `bf16` mode, every weight trained resident in bf16
+  (13.5 GB), then the 13B shape's `bf16-cpu-offload` mode, its blocks (26 GB) in pinned host memory streamed over
+  PCIe by the dual engine. Each stage's figure is its peak GPU memory, seconds per step and the ratio to the step's
+  limit (FLOPs, device memory or PCIe bytes over the rates measured in the same run); `big_model.jsonl` keeps the
+  scripts' whole lines. The 13B stage is skipped, with the reason, when the disk lacks room for its 26 GB (after
+  removing the 7B checkpoint if that makes room) or the part's time is spent.
 
 Writes under the output folder (`--out`, default `$OUT`): `figures.jsonl` (one JSON line per figure, tagged with its
 part), `summary.md` (a status table and the figures as tables; also printed at the end), `log.txt` (every part's
-output) and `tests.xml` (pytest's JUnit report). A part is `passed`, `skipped` (it found no CUDA device: not a
-failure) or `failed` (non-zero exit, time limit reached, or no figures); the exit code is 1 when a part failed.
+output), `tests.xml` (pytest's JUnit report) and `big_model.jsonl`. A part is `passed`, `skipped` (it found no CUDA
+device, or a reason it names: not a failure) or `failed` (non-zero exit, time limit reached, or no figures); the exit
+code is 1 when a part failed.
 
     bash benchmarks/gpu_check.sh               # the checks (the wrapper installs carried wheels first)
     bash benchmarks/gpu_check.sh --dry-run     # CUDA hidden: every part starts, finds no CUDA and skips
     bash benchmarks/gpu_check.sh --parts tests offload   # rerun some parts
+    bash benchmarks/gpu_check.sh --parts environment tests step_cost offload accuracy quantized  # under 8.5 min
     bash benchmarks/gpu_check.sh --prepare     # here, with registries: fill .gpu_check/ to carry
 """
 
@@ -43,6 +53,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".gpu_check"
 """What `--prepare` fills and the device call carries: wheels and a half-precision MiniLM."""
 
+BIG_MODEL_LIMIT_S = 240
+"""The `big_model` part's time limit: both stages, their builds included."""
+BIG_MODEL_STAGES = (("7b", "bf16", 110), ("13b", "bf16-cpu-offload", None))
+"""`(shape, mode, time limit)` of each stage, in order; `None`: what is left of the part's limit."""
+BIG_MODEL_MARGIN_S = 10
+"""Seconds of the part's limit kept for the driver itself (its start, the figures)."""
+BIG_MODEL_MIN_STAGE_S = 30
+"""A stage with less time than this left is skipped rather than started."""
+
 
 @dataclass
 class Part:
@@ -62,8 +81,9 @@ def gpu_test_files() -> list[str]:
 
 
 def build_parts(python: str, out: Path) -> list[Part]:
-    """The parts in run order. Their limits add up to 440 s; with 5 s of grace each before a kill and the wrapper's
-    30 s for installing wheels, the whole run stays under 8.5 minutes."""
+    """The parts in run order. Their limits add up to 680 s; with 5 s of grace each before a kill and the wrapper's
+    30 s for installing wheels, the whole run stays under 12.5 minutes. All but `big_model` (240 s, last) add up to
+    440 s, which with the same grace stays under 8.5 minutes."""
     accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
     if (CARRY / "minilm").is_dir():
         accuracy += ["--model", str(CARRY / "minilm")]
@@ -85,6 +105,7 @@ def build_parts(python: str, out: Path) -> list[Part]:
         Part("offload", 130, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
         Part("accuracy", 70, accuracy),
         Part("quantized", 35, [python, "benchmarks/quantized_step.py", "--steps", "3"]),
+        Part("big_model", BIG_MODEL_LIMIT_S, [python, "benchmarks/gpu_check.py", "--big-model", "--out", str(out)]),
     ]
 
 
@@ -111,6 +132,120 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             figure[package] = None
     return figure
+
+
+def big_model_stages(out: Path) -> int:
+    """The `big_model` part: each stage of `BIG_MODEL_STAGES` runs `big_model.py --device cuda` under its own time
+    limit, and its JSON line becomes a figure (:func:`big_model_figure`); the exit code is 1 when a stage failed.
+    Without CUDA each stage still starts the script, which prints a `skipped` line (the dry run)."""
+    start = time.monotonic()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    failures, earlier = [], []
+    for shape, mode, stage_limit in BIG_MODEL_STAGES:
+        reason = big_model_room(shape, earlier) if cuda else None  # first: removing a checkpoint takes time
+        earlier.append(shape)
+        left = int(BIG_MODEL_LIMIT_S - BIG_MODEL_MARGIN_S - (time.monotonic() - start))
+        limit = min(stage_limit or left, left)
+        if cuda and reason is None and limit < BIG_MODEL_MIN_STAGE_S:
+            reason = (
+                f"{left} s left of the part's {BIG_MODEL_LIMIT_S} s, under the {BIG_MODEL_MIN_STAGE_S} s of a stage"
+            )
+        if reason is not None:
+            print(f"big_model: {shape} {mode} skipped: {reason}", flush=True)
+            print(json.dumps({"shape": shape, "mode": mode, "skipped": reason}), flush=True)
+            continue
+        command = [sys.executable, "benchmarks/big_model.py", "--device", "cuda", "--shape", shape, "--mode", mode]
+        command += ["--steps", "2", "--seq_len", "256"]
+        print(f"big_model: {shape} {mode} (limit {limit} s): {' '.join(command)}", flush=True)
+        done = subprocess.run(
+            ["timeout", "--kill-after=5", str(limit), *command], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )  # its stderr (the progress log) goes straight to the part's log
+        for line in done.stdout.splitlines():
+            records = parse_figures(line)
+            if not records:
+                print(line, flush=True)
+                continue
+            if "skipped" not in records[0]:
+                with (out / "big_model.jsonl").open("a") as whole:
+                    whole.write(line + "\n")
+            print(json.dumps(big_model_figure(shape, records[0])), flush=True)
+        if done.returncode in (124, 137):
+            failures.append(f"{shape} {mode}: time limit of {limit} s reached")
+        elif done.returncode:
+            failures.append(f"{shape} {mode}: exit code {done.returncode}")
+    if failures:
+        print(f"big_model: {'; '.join(failures)}", flush=True)
+    return 1 if failures else 0
+
+
+def big_model_room(shape: str, earlier: list[str]) -> str | None:
+    """Why the bf16 checkpoint of `shape` cannot be written here (the disk is short), or `None` (it fits, or is
+    there). When the disk is short, the bf16 checkpoints of the `earlier` stages' shapes (over by now) are removed
+    first if that makes room: they are random weights, drawn again in a minute."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from random_llama import MARKER, checkpoint_bytes, folder_for
+
+    folder = folder_for(shape, "bfloat16")
+    if (folder / MARKER).exists():
+        return None  # built (random_llama_folder checks it, and rebuilds a folder cut short)
+    cache = folder.parent
+    cache.mkdir(parents=True, exist_ok=True)
+    needed = checkpoint_bytes(shape, "bfloat16") + 2 * 2**30  # the builder's 1 GiB to spare, and 1 more
+    free = shutil.disk_usage(cache).free
+    others = [folder_for(other, "bfloat16") for other in earlier if other != shape]
+    others = [other for other in others if other.is_dir()]
+    others_bytes = sum(p.stat().st_size for f in others for p in f.rglob("*") if p.is_file())
+    if free < needed <= free + others_bytes:
+        for other in others:
+            print(f"big_model: removing {other} to make room for the {shape} checkpoint", flush=True)
+            shutil.rmtree(other)
+        free = shutil.disk_usage(cache).free
+    if free < needed:
+        return (
+            f"the {shape} bf16 checkpoint needs {needed / 1e9:.1f} GB free in {cache}, which has {free / 1e9:.1f} GB"
+        )
+    return None
+
+
+BIG_MODEL_FIELDS = (
+    "params",
+    "peak_gpu_mib",
+    "gpu_memory_mib",
+    "s_per_step",
+    "limit_s_per_step",
+    "ratio_to_limit",
+    "s_first_step",
+    "load_s",
+    "peak_rss_mib",
+    "loss_first",
+    "loss_last",
+    "kept_update",
+)
+"""What a `big_model` figure keeps of the script's line (`big_model.jsonl` keeps it whole)."""
+
+
+def big_model_figure(shape: str, record: dict) -> dict:
+    """A `big_model` figure from one line of `big_model.py`: its headline fields, the part of the limit that binds
+    (`limited_by`) and every part, and the rates measured; a `skipped` line as it is."""
+    if "skipped" in record:
+        return {"shape": shape, "mode": record.get("mode"), "skipped": record["skipped"]}
+    figure = {"shape": shape, "mode": record["mode"]}
+    figure.update({key: _rounded(record.get(key)) for key in BIG_MODEL_FIELDS})
+    parts = record.get("limit_parts") or {}
+    figure["limited_by"] = max(parts, key=parts.get) if parts else None
+    figure["limit_parts"] = {key: _rounded(value) for key, value in parts.items()}
+    machine = record.get("machine", {})
+    rates = ("memory_gb_s", "h2d_gb_s", "d2h_gb_s")
+    figure["rates"] = {key: _rounded(machine[key]) for key in rates if key in machine}
+    figure["rates"]["bf16_tflop_s"] = _rounded(machine.get("matmul_gflop_s", {}).get("bfloat16", 0.0) / 1e3)
+    return figure
+
+
+def _rounded(value):
+    """A float to 4 significant digits (the figure's tables stay readable); anything else as it is."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
 def parse_figures(output: str) -> list[dict]:
@@ -160,12 +295,13 @@ def outcome(part: Part, returncode: int, figures: list[dict], output: str) -> tu
     if returncode:
         last = [line for line in output.splitlines() if line.strip()][-1:] or [""]
         return "failed", f"exit code {returncode}: {last[0][:200]}"
-    skips = sorted({f["skipped"] for f in figures if "skipped" in f})
-    if skips and len(skips) == len(figures):
-        return "skipped", "; ".join(skips)
+    skipped = [f for f in figures if "skipped" in f]
+    reasons = "; ".join(sorted({f["skipped"] for f in skipped}))
+    if skipped and len(skipped) == len(figures):
+        return "skipped", reasons
     if not figures:
         return "failed", "printed no figures"
-    return "passed", ""
+    return "passed", f"some skipped: {reasons}" if skipped else ""
 
 
 def run_part(part: Part, env: dict, out: Path) -> dict:
@@ -211,7 +347,8 @@ def summary(results: list[dict], dry_run: bool, started: float) -> str:
     lines = [
         f"# {title}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}",
         "",
-        f"Total {time.time() - started:.0f} s. `skipped` means the part found no CUDA device (not a failure).",
+        f"Total {time.time() - started:.0f} s. `skipped` means the part found no CUDA device, or what its note says "
+        "(not a failure).",
         "",
         "| part | status | seconds (limit) | note |",
         "| --- | --- | --- | --- |",
@@ -287,6 +424,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="Hide CUDA from every part: each must skip cleanly.")
     parser.add_argument("--parts", nargs="+", help="Run only these parts (default: all, in order).")
     parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--big-model", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help="Fill .gpu_check/ to carry (needs registries).")
     args = parser.parse_args()
     if args.prepare:
@@ -295,6 +433,8 @@ def main() -> None:
     if args.environment:
         print(json.dumps(environment()), flush=True)
         return
+    if args.big_model:
+        sys.exit(big_model_stages(Path(args.out).resolve()))
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -310,7 +450,7 @@ def main() -> None:
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
     figures_path = out / "figures.jsonl"
-    for name in ("log.txt", "figures.jsonl", "tests.xml"):
+    for name in ("log.txt", "figures.jsonl", "tests.xml", "big_model.jsonl"):
         (out / name).unlink(missing_ok=True)
     started = time.time()
     print(f"gpu_check: {len(parts)} parts, at most {sum(p.limit_s for p in parts)} s; output in {out}", flush=True)

@@ -2,7 +2,7 @@
 # Every GPU check in one call (benchmarks/gpu_check.py), for a lent GPU machine; docs/benchmarks.md, "On a GPU".
 #
 #   bash benchmarks/gpu_check.sh --prepare    # here, with package registries: fill .gpu_check/, which travels
-#   bash benchmarks/gpu_check.sh              # there: every check, under 8.5 minutes; results in $OUT
+#   bash benchmarks/gpu_check.sh              # there: every check, under 12.5 min (8.5 without big_model); in $OUT
 #   bash benchmarks/gpu_check.sh --dry-run    # anywhere: CUDA hidden, every part starts and skips (CI runs this)
 #
 # The Python used is $PYTHON, else the Makefile's .venv, else python3 (on the lent machine: the image's, with its

@@ -11,6 +11,11 @@ before the next is drawn: the memory used is one shard.
 The folder is `$HF_ZO_HOME/big_model/<shape>-<dtype>` (`HF_ZO_HOME` defaults to `~/.cache/hf_zo`). A marker file
 written last tells a finished build from one a kill cut short, which is removed and rebuilt; a file lock keeps two
 processes from building one folder at once.
+
+On a GPU (`device="cuda"`, as `big_model.py --device cuda` builds) CUDA's generator draws the weights, which the
+CPU's takes minutes to do for the 13B shape's 13 billion values, and `CUDA_WRITERS` shards are written and synced at
+once: other values than the CPU's for the same seed (the same distribution; the marker names the generator), and a
+few shards in host memory.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ SHAPES = {
     "7b": dict(
         num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000
     ),
+    "13b": dict(
+        num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40, vocab_size=32000
+    ),
     "tiny": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=344, num_attention_heads=4, vocab_size=1024),
 }
 """Model shapes: Llama-2-7B's (`meta-llama/Llama-2-7b-hf`'s config) and a tiny one for tests."""
@@ -35,6 +43,9 @@ SHAPES = {
 DTYPES = ("bfloat16", "float32")
 SHARD_BYTES = 2 * 10**9
 INIT_STD = 0.02
+CUDA_WRITERS = 4
+"""Shards written and synced at once when the weights are drawn on a GPU (the disk, not the generator, is then the
+bound); a build on the CPU writes one at a time, so that it holds one shard."""
 MARKER = "hf_zo_big_model.json"
 FORMAT = 1
 """Version of the folder's layout and of the weights' generation; a marker of another version is rebuilt."""
@@ -91,7 +102,11 @@ def checkpoint_bytes(shape: str, dtype: str) -> int:
 
 
 def random_llama_folder(
-    shape: str = "7b", dtype: str = "bfloat16", cache_dir: str | os.PathLike | None = None, seed: int = 0
+    shape: str = "7b",
+    dtype: str = "bfloat16",
+    cache_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> Path:
     """The folder of a random Llama checkpoint of `shape` in `dtype`, built on the first call.
 
@@ -100,6 +115,8 @@ def random_llama_folder(
         dtype (`str`): `"bfloat16"` or `"float32"`.
         cache_dir (`str`, *optional*): the cache root (default: `default_cache_dir()`).
         seed (`int`): seed of the weights; a folder built with another seed is rebuilt.
+        device (`str`, defaults to `"cpu"`): where a build draws the weights: `"cuda"` draws them with CUDA's
+            generator (other values for the same seed; a folder built either way is used by both).
 
     Returns:
         `Path`: the folder, for `from_pretrained`.
@@ -115,7 +132,7 @@ def random_llama_folder(
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.parent / f".{folder.name}.lock")):
             if not _is_complete(folder, stamp):  # another process may have built it while this one waited
-                _build(folder, shape, dtype, seed, stamp)
+                _build(folder, shape, dtype, seed, stamp, device)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     logger.info(
         f"Random {shape} Llama checkpoint ({dtype}, {size / 1e9:.2f} GB) in {folder}; remove it with: rm -rf {folder}"
@@ -137,7 +154,9 @@ def _is_complete(folder: Path, stamp: dict) -> bool:
         return False
 
 
-def _build(folder: Path, shape: str, dtype: str, seed: int, stamp: dict) -> None:
+def _build(folder: Path, shape: str, dtype: str, seed: int, stamp: dict, device: str = "cpu") -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     from safetensors.torch import save_file
 
@@ -169,29 +188,40 @@ def _build(folder: Path, shape: str, dtype: str, seed: int, stamp: dict) -> None
     config.save_pretrained(folder)
     weight_map, files = {}, {}
     position = {name: k for k, (name, _) in enumerate(names)}
-    for number, shard in enumerate(shards, start=1):
-        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, shape_ in shard:
-            generator = torch.Generator().manual_seed(mix_seed(seed, position[name]))
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(shape_, dtype=torch_dtype)
-            else:
-                tensor = torch.empty(shape_).normal_(0.0, INIT_STD, generator=generator).to(torch_dtype)
-            tensors[name] = tensor
-            weight_map[name] = filename
-        path = folder / filename
+
+    def write(path: Path, tensors: dict) -> None:
         save_file(tensors, str(path), metadata={"format": "pt"})
-        del tensors
         with open(path, "rb+") as handle:  # on disk before the marker says the build is finished
             os.fsync(handle.fileno())
-        files[filename] = path.stat().st_size
-        logger.info(f"  {filename} ({files[filename] / 1e9:.2f} GB) after {time.perf_counter() - start:.0f} s")
+        files[path.name] = path.stat().st_size
+        logger.info(f"  {path.name} ({files[path.name] / 1e9:.2f} GB) after {time.perf_counter() - start:.0f} s")
+
+    writers = 1 if device == "cpu" else CUDA_WRITERS
+    writing = []
+    with ThreadPoolExecutor(max_workers=writers) as pool:
+        for number, shard in enumerate(shards, start=1):
+            filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name, shape_ in shard:
+                generator = torch.Generator(device=device).manual_seed(mix_seed(seed, position[name]))
+                if name.endswith("norm.weight"):
+                    tensor = torch.ones(shape_, dtype=torch_dtype)
+                else:
+                    drawn = torch.empty(shape_, device=device).normal_(0.0, INIT_STD, generator=generator)
+                    tensor = drawn.to(torch_dtype).cpu()
+                tensors[name] = tensor
+                weight_map[name] = filename
+            writing.append(pool.submit(write, folder / filename, tensors))
+            del tensors
+            if len(writing) >= writers:  # at most `writers` shards in memory
+                writing.pop(0).result()
+        for future in writing:
+            future.result()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     for name in ("config.json", "model.safetensors.index.json"):
         files[name] = (folder / name).stat().st_size
-    marker = {**stamp, "params": total // itemsize, "bytes": total, "files": files}
+    marker = {**stamp, "params": total // itemsize, "bytes": total, "files": files, "generator": device}
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     logger.warning(f"Wrote {folder} ({total / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s.")
 

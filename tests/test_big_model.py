@@ -94,7 +94,7 @@ def test_build_refuses_a_disk_without_room(tmp_path, monkeypatch):
 def records(tmp_path_factory):
     """The JSON lines of every mode that runs here, from one run of the script (2 steps on the tiny shape)."""
     home = tmp_path_factory.mktemp("hf_zo_home")
-    modes = ["bf16", "fp32-disk"] + (["4bit-lora"] if HAS_BITSANDBYTES else [])
+    modes = ["bf16", "bf16-cpu-offload", "fp32-disk"] + (["4bit-lora"] if HAS_BITSANDBYTES else [])
     command = [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--mode", *modes]
     done = subprocess.run(
         command, env={**os.environ, "HF_ZO_HOME": str(home)}, capture_output=True, text=True, timeout=600
@@ -108,7 +108,7 @@ def records(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp32-disk", "4bit-lora"])
+@pytest.mark.parametrize("mode", ["bf16", "bf16-cpu-offload", "fp32-disk", "4bit-lora"])
 def test_each_mode_prints_its_json_line(records, mode):
     if mode == "4bit-lora" and not HAS_BITSANDBYTES:
         pytest.skip("4bit-lora needs bitsandbytes: pip install bitsandbytes")
@@ -122,13 +122,22 @@ def test_each_mode_prints_its_json_line(records, mode):
     assert record["peak_rss_mib"] > 0 and record["s_per_step"] > 0 and record["limit_s_per_step"] > 0
     assert record["limit_s_per_step"] == max(record["limit_parts"].values())
     assert len(record["step_s"]) == 2
+    assert record["device"] == "cpu" and "peak_gpu_mib" not in record  # no CUDA here: the CPU, as before
     if mode == "fp32-disk":
         assert "disk_s" in record["limit_parts"]
         assert record["kept_update"] == pytest.approx(1.0, abs=0.02)  # fp32 keeps an update of 1e-6
-    elif mode == "bf16":
+    elif mode in ("bf16", "bf16-cpu-offload"):
         assert record["exact_restore"] and record["sweeps_per_step"] == {"block": 5, "outside_blocks": 6}
         if record["stochastic_rounding"]:  # kept in expectation; about 0 when rounded to nearest
             assert 0.7 < record["kept_update"] < 1.3
     else:
         assert record["trainable_params"] < record["params"] / 50  # the adapter only
         assert record["kept_update"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_blocks_offloaded_to_host_memory_train_as_resident_ones(records):
+    # On the CPU the "cpu" tier's blocks are used in place: the same steps, bit for bit.
+    resident, offloaded = records["bf16"], records["bf16-cpu-offload"]
+    assert (offloaded["loss_first"], offloaded["loss_last"]) == (resident["loss_first"], resident["loss_last"])
+    assert offloaded["kept_update"] == resident["kept_update"]
+    assert offloaded["pcie_bytes_per_step"] == {}  # PCIe parts only with a GPU as the working device

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["environment", "tests", "step_cost", "offload", "accuracy", "quantized"]
+PARTS = ["environment", "tests", "step_cost", "offload", "accuracy", "quantized", "big_model"]
 
 
 def _gpu_check_module():
@@ -39,6 +39,10 @@ def test_dry_run_starts_every_part_and_each_skips_cleanly(tmp_path):
     assert tests["tests_skipped"] >= 10 and tests["skipped"] == "needs a CUDA device"
     for part in ("step_cost", "offload", "accuracy", "quantized"):  # each script printed its own skip line
         assert [f["skipped"] for f in by_part[part]] == ["CUDA is not available"], part
+    # big_model.py started for each stage (7B resident, 13B offloaded) and skipped, building nothing
+    stages = [(f["shape"], f["mode"], f["skipped"]) for f in by_part["big_model"]]
+    assert stages == [("7b", "bf16", "CUDA is not available"), ("13b", "bf16-cpu-offload", "CUDA is not available")]
+    assert not (tmp_path / "big_model.jsonl").exists()
 
     log = (tmp_path / "log.txt").read_text()
     summary = (tmp_path / "summary.md").read_text()
@@ -72,8 +76,61 @@ def test_outcome_of_a_part():
         "exit code 1: RuntimeError: CUDA out of memory",
     )
     assert gpu_check.outcome(part, 124, [measured], "") == ("failed", "time limit of 120 s reached")
+    # Every figure skipped, for one reason or several: skipped; some: passed, the reasons in the note.
+    assert gpu_check.outcome(part, 0, [skip, skip], "") == ("skipped", "CUDA is not available")
+    short = {"shape": "13b", "skipped": "the 13b bf16 checkpoint needs 28.1 GB free"}
+    assert gpu_check.outcome(part, 0, [measured, short], "") == (
+        "passed",
+        "some skipped: the 13b bf16 checkpoint needs 28.1 GB free",
+    )
     tests = gpu_check.Part("tests", 75, ["pytest"])
     assert gpu_check.outcome(tests, 5, [], "") == ("failed", "no test carries the `gpu` marker")
+
+
+def test_time_limits_keep_the_promised_totals():
+    gpu_check = _gpu_check_module()
+    parts = gpu_check.build_parts(sys.executable, ROOT / "gpu_check_results")
+    assert [p.name for p in parts] == PARTS  # big_model last: it cannot take time from the others
+    limits = {p.name: p.limit_s for p in parts}
+    grace, wheels = 5, 30
+    assert sum(limits.values()) + grace * len(parts) + wheels <= 12.5 * 60
+    without = sum(limits.values()) - limits["big_model"]
+    assert without + grace * (len(parts) - 1) + wheels <= 8.5 * 60
+    stage_limits = [limit for _, _, limit in gpu_check.BIG_MODEL_STAGES if limit is not None]
+    assert sum(stage_limits) + gpu_check.BIG_MODEL_MARGIN_S < gpu_check.BIG_MODEL_LIMIT_S == limits["big_model"]
+
+
+def test_big_model_figure_keeps_the_headline_and_the_binding_part():
+    record = {
+        "mode": "bf16-cpu-offload",
+        "params": 13015864320,
+        "peak_gpu_mib": 3561.25,
+        "gpu_memory_mib": 81559.0,
+        "s_per_step": 2.3456789,
+        "limit_s_per_step": 1.1,
+        "ratio_to_limit": 2.13243,
+        "limit_parts": {"compute_s": 0.01, "memory_s": 0.2, "pcie_h2d_s": 1.1, "pcie_d2h_s": 1.05},
+        "machine": {
+            "device": "cuda",
+            "memory_gb_s": 2800.123,
+            "h2d_gb_s": 24.56,
+            "d2h_gb_s": 25.1,
+            "matmul_gflop_s": {"bfloat16": 412345.6, "float32": 50000.0},
+        },
+        "step_s": [3.0, 2.3456789],
+    }
+    figure = _gpu_check_module().big_model_figure("13b", record)
+    assert figure["shape"] == "13b" and figure["mode"] == "bf16-cpu-offload"
+    assert figure["peak_gpu_mib"] == 3561.0 and figure["s_per_step"] == 2.346 and figure["ratio_to_limit"] == 2.132
+    assert figure["limited_by"] == "pcie_h2d_s"
+    assert figure["rates"] == {"memory_gb_s": 2800.0, "h2d_gb_s": 24.56, "d2h_gb_s": 25.1, "bf16_tflop_s": 412.3}
+    assert "step_s" not in figure and "machine" not in figure
+    skipped = {"mode": "bf16", "shape": "7b", "skipped": "CUDA is not available"}
+    assert _gpu_check_module().big_model_figure("7b", skipped) == {
+        "shape": "7b",
+        "mode": "bf16",
+        "skipped": "CUDA is not available",
+    }
 
 
 def test_pytest_report_becomes_one_figure(tmp_path):
