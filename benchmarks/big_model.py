@@ -19,8 +19,19 @@ token batches (`--batch_size` x `--seq_len`, labels = inputs). `--mode` picks wh
 - `4bit-lora`: the bf16 folder loaded as a bitsandbytes NF4 base (compute dtype `--bnb_compute_dtype`, float32 by
   default: on CPUs without bf16 matrix units fp32 matrix products are the faster), LoRA r=8 on `q_proj`, `v_proj`,
   ZO on the adapter.
+- `train-py`: the user's command line instead of this script's trainer: docs/offload.md's disk tier through
+  `examples/train.py` (`--zo_engine dual --zo_offload disk`, full fine-tuning, causal LM on a JSON-lines text file
+  the mode writes, `--eval_strategy steps` on a small validation file, the model saved at the end) on the fp32 folder
+  (it carries a tokenizer), in a child process; with `--memory_limit_mib`, inside a cgroup v1 memory group of that
+  limit (root and `/sys/fs/cgroup/memory`; v1 charges the group's page cache too, which the kernel reclaims under
+  the limit; the group is removed afterwards). Its line has `rc`, the group's `memory.max_usage_in_bytes` and
+  `failcnt`, the child's peak `VmRSS` (sampled from `/proc/<pid>/status`) with its anonymous and file-backed parts,
+  overall and by phase (`peak_by_phase`: load and step 1, steps, evaluation in training, save, final evaluation,
+  exit, told apart by the lines the child prints), `s_per_step` between successive loss lines, and the saved folder
+  checked: its shard count, loaded with `from_pretrained`, the middle block's `down_proj` finite and changed. It has
+  no `limit_s_per_step` or `kept_update`.
 
-Each mode prints one JSON line:
+Each of the other modes prints one JSON line:
 
 - `peak_rss_mib`: peak resident memory of the process over the mode (load, steps, the final flush), sampled from
   `/proc/self/status` (`VmRSS`: anonymous and file-backed pages, so memory-mapped weights count) on a thread;
@@ -78,6 +89,7 @@ With an offload tier, two more parts come from copies of `--probe_mib` between p
     python benchmarks/big_model.py --device cuda --mode bf16 --steps 2    # a GPU: 7B resident (13.5 GB)
     python benchmarks/big_model.py --device cuda --shape 13b --mode bf16-cpu-offload --steps 2  # 13B offloaded
     python benchmarks/big_model.py --mode bf16 --build_only     # write the checkpoint only (13.5 GB; fp32: 27 GB)
+    python benchmarks/big_model.py --shape 1b --mode train-py --batch_size 2 --memory_limit_mib 3072  # as root
     python benchmarks/big_model.py --shape tiny --mode bf16 fp32-disk 4bit-lora --steps 2  # the tests' run
 
 Several `--mode`s run one after the other in one process (the tests do); measure one mode per process, so that no
@@ -105,10 +117,16 @@ from random_llama import SHAPES, random_llama_folder
 
 logger = logging.getLogger("big_model")
 
-MODES = {"bf16": "bfloat16", "bf16-cpu-offload": "bfloat16", "fp32-disk": "float32", "4bit-lora": "bfloat16"}
+MODES = {
+    "bf16": "bfloat16",
+    "bf16-cpu-offload": "bfloat16",
+    "fp32-disk": "float32",
+    "4bit-lora": "bfloat16",
+    "train-py": "float32",
+}
 """Each mode and the dtype of the checkpoint folder it loads."""
 
-PROBE_MIB = {"7b": 1024, "13b": 1024, "tiny": 32}
+PROBE_MIB = {"7b": 1024, "13b": 1024, "1b": 1024, "tiny": 32}
 """Default size of the bandwidth probes by shape."""
 
 SAMPLE_NUMEL = 1 << 25
@@ -641,6 +659,320 @@ def _check_offload_space(folder: Path, blocks) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------- examples/train.py, limited
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_PY_PHASES = ("load and step 1", "steps", "evaluation in training", "save", "final evaluation", "exit")
+"""What the child is doing, from the lines it prints: the first step's loss, the first `eval_loss`, the trainer's
+`train_runtime` (then `save_model`), `***** train metrics *****` (then `evaluate`), `***** eval metrics *****`."""
+TRAIN_TEXT = (
+    "A model larger than the memory trains one block at a time.",
+    "Zeroth-order fine-tuning needs forward passes only.",
+    "The blocks stream from disk and the updates are written back.",
+    "Each step perturbs the weights, runs two forwards and moves along the noise.",
+)
+
+
+class MemoryCgroup:
+    """A cgroup v1 memory controller group under this process's own, limited to `limit` bytes (needs root and
+    `/sys/fs/cgroup/memory`); `wrap` makes a command enter it before it execs. v1 charges the group's page cache
+    too (the mapped weights, the files written): the kernel reclaims it, like anonymous memory it cannot."""
+
+    def __init__(self, limit: int):
+        own = next(
+            (
+                line.split(":", 2)[2].strip()
+                for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.split(":", 2)[1] == "memory"
+            ),
+            None,
+        )
+        root = Path("/sys/fs/cgroup/memory")
+        if own is None or not (root / "memory.limit_in_bytes").exists():
+            raise OSError("no cgroup v1 memory controller at /sys/fs/cgroup/memory")
+        self.path = root / own.lstrip("/") / f"hf_zo-big_model-{os.getpid()}"
+        self.path.mkdir()
+        try:
+            self._write("memory.limit_in_bytes", limit)
+        except OSError:
+            self.path.rmdir()
+            raise
+
+    def wrap(self, command: list[str]) -> list[str]:
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *command]
+
+    def read(self, name: str) -> int:
+        return int((self.path / name).read_text().split()[0])
+
+    def stat(self) -> dict[str, int]:
+        return {k: int(v) for k, v in (line.split() for line in (self.path / "memory.stat").read_text().splitlines())}
+
+    def _write(self, name: str, value: int) -> None:
+        (self.path / name).write_text(str(value))
+
+    def close(self) -> None:
+        """Remove the group (its processes have exited; its page cache goes to the parent group)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # a process that just exited can take a moment to leave
+                time.sleep(0.1)
+        logger.warning(f"Could not remove the cgroup {self.path}; remove it with: rmdir {self.path}")
+
+
+def train_py_command(folder: Path, work: Path, args) -> list[str]:
+    """docs/offload.md's disk tier through examples/train.py: full fine-tuning, causal LM on a text file, evaluated
+    during and after training, saved at the end."""
+    flags = dict(
+        model_name_or_path=folder,
+        train_file=work / "train.jsonl",
+        validation_file=work / "validation.jsonl",
+        text_column="text",
+        max_length=args.seq_len,
+        zo_engine="dual",
+        zo_offload="disk",
+        zo_offload_dir=folder / "offload",
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        eval_strategy="steps",
+        eval_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm="true",
+        seed=args.seed,
+        output_dir=work / "output",
+        learning_rate=args.learning_rate,
+        zo_eps=args.zo_eps,
+    )
+    command = [sys.executable, str(ROOT / "examples" / "train.py")]
+    for name, value in flags.items():
+        if value is not None:
+            command += [f"--{name}", str(value)]
+    return command
+
+
+def _pid_status(pid: int) -> dict[str, int]:
+    values = {}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                    values[key] = int(rest.split()[0]) * 1024
+    except OSError:  # exited
+        pass
+    return values
+
+
+class _ChildOutput:
+    """Reads a child's stdout and stderr on threads: stdout's logged dicts with their arrival times, the phase."""
+
+    def __init__(self, process, log_path: Path):
+        self.phase = TRAIN_PY_PHASES[0]
+        self.logs: list[tuple[float, dict]] = []
+        self._log = open(log_path, "w")
+        self._lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self._read, args=(stream,), daemon=True)
+            for stream in (process.stdout, process.stderr)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _read(self, stream) -> None:
+        import ast
+
+        for line in stream:
+            with self._lock:
+                self._log.write(line)
+                self._log.flush()
+            text = line.strip()
+            if text.startswith("{") and text.endswith("}"):
+                try:
+                    logged = ast.literal_eval(text)
+                except (ValueError, SyntaxError):
+                    continue
+                self.logs.append((time.perf_counter(), logged))
+                self._advance(logged)
+            elif text == "***** train metrics *****":
+                self._to("final evaluation")
+            elif text == "***** eval metrics *****":
+                self._to("exit")
+
+    def _advance(self, logged: dict) -> None:
+        if "eval_loss" in logged:
+            self._to("evaluation in training")
+        elif "train_runtime" in logged:
+            self._to("save")
+        elif "loss" in logged:
+            self._to("steps")
+
+    def _to(self, phase: str) -> None:
+        if TRAIN_PY_PHASES.index(phase) > TRAIN_PY_PHASES.index(self.phase):
+            self.phase = phase
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self._log.close()
+
+
+def run_train_py(args) -> dict:
+    """examples/train.py's disk-offload command on the fp32 checkpoint in a child process (inside a cgroup of
+    `--memory_limit_mib` where given), its memory sampled from `/proc/<pid>/status` and the cgroup by phase; then
+    the saved folder loaded with `from_pretrained`."""
+    import subprocess
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    folder = random_llama_folder(args.shape, "float32", args.cache_dir, seed=args.seed)
+    marker = json.loads((folder / "hf_zo_big_model.json").read_text())
+    model_bytes = marker["bytes"]
+    free = shutil.disk_usage(folder).free
+    if free < 2 * model_bytes + 2**30:  # the offloaded blocks and the saved model
+        raise OSError(
+            f"train-py writes the blocks to {folder / 'offload'} and saves the model ({2 * model_bytes / 1e9:.1f} GB "
+            f"together); {folder} has {free / 1e9:.1f} GB free. Free some space or set HF_ZO_HOME to a larger disk."
+        )
+    limit = args.memory_limit_mib << 20 if args.memory_limit_mib else None
+    cgroup, cgroup_note = None, None
+    if limit:
+        try:
+            cgroup = MemoryCgroup(limit)
+        except OSError as error:
+            cgroup_note = f"unavailable ({error}): ran without a limit"
+            logger.warning(f"train-py: no memory cgroup: {error}; running without a limit.")
+    peaks = {phase: {} for phase in TRAIN_PY_PHASES}
+    vm_hwm = 0
+    with tempfile.TemporaryDirectory(prefix="train-py-", dir=folder.parent) as scratch:
+        work = Path(scratch)
+        rows = args.steps * args.batch_size
+        with open(work / "train.jsonl", "w") as handle:
+            for k in range(rows):
+                handle.write(json.dumps({"text": " ".join(TRAIN_TEXT[(k + j) % len(TRAIN_TEXT)] for j in range(3))}))
+                handle.write("\n")
+        (work / "validation.jsonl").write_text(
+            "".join(json.dumps({"text": text}) + "\n" for text in TRAIN_TEXT[: args.batch_size])
+        )
+        command = train_py_command(folder, work, args)
+        logger.info(f"train-py: {' '.join(command)}")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        start = time.perf_counter()
+        process = subprocess.Popen(
+            cgroup.wrap(command) if cgroup else command,
+            env=env,
+            text=True,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            output = _ChildOutput(process, work / "train.log")
+            last_report = 0.0
+            while process.poll() is None:
+                sample = _pid_status(process.pid)
+                if cgroup:
+                    sample["cgroup"] = cgroup.read("memory.usage_in_bytes")
+                    stat = cgroup.stat()
+                    sample["cgroup_rss"], sample["cgroup_cache"] = stat.get("rss", 0), stat.get("cache", 0)
+                peak = peaks[output.phase]
+                if sample.get("VmRSS", 0) > peak.get("VmRSS", -1):
+                    peak.update(sample, at_s=time.perf_counter() - start)
+                if sample.get("VmHWM"):
+                    vm_hwm = sample["VmHWM"]
+                if time.perf_counter() - last_report > 5:
+                    last_report = time.perf_counter()
+                    logger.info(
+                        f"train-py {last_report - start:5.0f} s, {output.phase}: "
+                        + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sample.items())
+                    )
+                time.sleep(0.05)
+            rc = process.wait()
+            run_s = time.perf_counter() - start
+            output.close()
+            cgroup_max = cgroup.read("memory.max_usage_in_bytes") if cgroup else None
+            failcnt = cgroup.read("memory.failcnt") if cgroup else None
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if cgroup:
+                cgroup.close()
+        if rc != 0:
+            logger.error(
+                f"train-py: examples/train.py exited with {rc}; its output ends:\n"
+                + (work / "train.log").read_text()[-3000:]
+            )
+        steps = [(t, logged) for t, logged in output.logs if "loss" in logged]
+        evals = [logged["eval_loss"] for _, logged in output.logs if "eval_loss" in logged]
+        step_s = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
+        saved = work / "output"
+        shards = sorted(saved.glob("*.safetensors"))
+        check = {}
+        if rc == 0 and shards:
+            check = _check_saved(saved, folder, AutoModelForCausalLM, safe_open)
+    overall = max((p for p in peaks.values() if p), key=lambda p: p["VmRSS"], default={})
+    mib = lambda value: None if value is None else round(value / 2**20, 1)  # noqa: E731
+    return {
+        "mode": "train-py",
+        "params": marker["params"],
+        "model_mib": mib(model_bytes),
+        "rc": rc,
+        "memory_limit_mib": args.memory_limit_mib if cgroup else None,
+        "cgroup": str(cgroup.path) if cgroup else cgroup_note,
+        "cgroup_max_usage_mib": mib(cgroup_max),
+        "cgroup_failcnt": failcnt,
+        "peak_rss_mib": mib(overall.get("VmRSS")),
+        "peak_rss_anon_mib": mib(overall.get("RssAnon")),
+        "peak_rss_file_mib": mib(overall.get("RssFile")),
+        "vm_hwm_mib": mib(vm_hwm),
+        "peak_by_phase": {
+            phase: {k: (round(v, 1) if k == "at_s" else mib(v)) for k, v in peak.items()}
+            for phase, peak in peaks.items()
+            if peak
+        },
+        "s_per_step": sum(step_s) / len(step_s) if step_s else math.nan,
+        "step_s": step_s,
+        "loss_first": float(steps[0][1]["loss"]) if steps else math.nan,
+        "loss_last": float(steps[-1][1]["loss"]) if steps else math.nan,
+        "eval_loss": [float(loss) for loss in evals],
+        "saved_shards": len(shards),
+        **check,
+        "run_s": run_s,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "shape": args.shape,
+        "command": command,
+        "folder": str(folder),
+    }
+
+
+def _check_saved(saved: Path, source: Path, auto_model, safe_open) -> dict:
+    """Load the saved folder with `from_pretrained`; compare its middle block's `down_proj` with the source's."""
+    model = auto_model.from_pretrained(saved, dtype=torch.float32)
+    name = f"model.layers.{model.config.num_hidden_layers // 2}.mlp.down_proj.weight"
+    trained = model.get_parameter(name).detach()
+    index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(source / index[name]), "pt") as handle:
+        before = handle.get_tensor(name)
+    record = {
+        "saved_loads": True,
+        "saved_params": sum(p.numel() for p in model.parameters()),
+        "saved_finite": bool(torch.isfinite(trained).all()),
+        "saved_changed": not torch.equal(trained, before),
+    }
+    del model, trained, before
+    gc.collect()
+    return record
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", nargs="+", choices=list(MODES), default=["bf16"], help="What is trained, and where.")
@@ -664,6 +996,11 @@ def make_parser() -> argparse.ArgumentParser:
         default="auto",
         help="Where the model trains (auto: CUDA when available). cuda without CUDA: a skipped line per mode.",
     )
+    parser.add_argument(
+        "--memory_limit_mib",
+        type=int,
+        help="train-py: run examples/train.py in a cgroup v1 memory group of this limit (root; page cache counts).",
+    )
     return parser
 
 
@@ -684,8 +1021,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             random_llama_folder(args.shape, dtype, args.cache_dir, seed=args.seed, device=device)
         return []
     records = []
+    if args.memory_limit_mib and set(args.mode) != {"train-py"}:
+        raise SystemExit(
+            f"--memory_limit_mib limits the child of --mode train-py; got --mode {' '.join(args.mode)}: run train-py "
+            "alone, or drop --memory_limit_mib."
+        )
     for mode in args.mode:
-        record = run_mode(mode, args, device)
+        record = run_train_py(args) if mode == "train-py" else run_mode(mode, args, device)
         print(json.dumps(record), flush=True)
         records.append(record)
     return records

@@ -6,11 +6,14 @@ in fp32. No such weights are available offline, and step time and memory do not 
 and `model.safetensors.index.json`) with random weights: normal with std 0.02 (Llama's `initializer_range`), norms
 ones. The model is built on the meta device for its names and shapes only; each tensor is drawn by its own seeded
 generator (so the bf16 and fp32 folders hold the same weights up to rounding), and each shard is written and synced
-before the next is drawn: the memory used is one shard.
+before the next is drawn: the memory used is one shard. A small byte-level BPE tokenizer (a few hundred tokens, trained
+offline on this module's docstring, ids within the model's vocabulary) goes in the folder too, so that
+`AutoTokenizer.from_pretrained` and `examples/train.py` take the folder like any checkpoint.
 
 The folder is `$HF_ZO_HOME/big_model/<shape>-<dtype>` (`HF_ZO_HOME` defaults to `~/.cache/hf_zo`). A marker file
 written last tells a finished build from one a kill cut short, which is removed and rebuilt; a file lock keeps two
-processes from building one folder at once.
+processes from building one folder at once. The tokenizer is not part of the marker: a finished folder without it
+(built by an earlier version) gets it added, its weights untouched.
 
 On a GPU (`device="cuda"`, as `big_model.py --device cuda` builds) CUDA's generator draws the weights, which the
 CPU's takes minutes to do for the 13B shape's 13 billion values, and `CUDA_WRITERS` shards are written and synced at
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,12 +37,22 @@ SHAPES = {
     "7b": dict(
         num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32, vocab_size=32000
     ),
+    "1b": dict(
+        num_hidden_layers=22,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
     "13b": dict(
         num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40, vocab_size=32000
     ),
     "tiny": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=344, num_attention_heads=4, vocab_size=1024),
 }
-"""Model shapes: Llama-2-7B's (`meta-llama/Llama-2-7b-hf`'s config) and a tiny one for tests."""
+"""Model shapes: Llama-2-7B's and Llama-2-13B's (`meta-llama/Llama-2-7b-hf`'s and `-13b-hf`'s configs),
+TinyLlama-1.1B's (`TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T`'s: 1.10B parameters, grouped-query attention
+with 4 key/value heads) and a tiny one for tests."""
 
 DTYPES = ("bfloat16", "float32")
 SHARD_BYTES = 2 * 10**9
@@ -47,6 +61,12 @@ CUDA_WRITERS = 4
 """Shards written and synced at once when the weights are drawn on a GPU (the disk, not the generator, is then the
 bound); a build on the CPU writes one at a time, so that it holds one shard."""
 MARKER = "hf_zo_big_model.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""What `save_pretrained` of the tokenizer writes; `tokenizer_config.json` is moved into the folder last."""
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+"""Ids 0 to 3: `<s>` and `</s>` at Llama's `bos_token_id` 1 and `eos_token_id` 2."""
+TOKENIZER_VOCAB = 1024
+"""Most tokens of the tokenizer (the tiny shape's vocabulary): a docstring's text gives a few hundred."""
 FORMAT = 1
 """Version of the folder's layout and of the weights' generation; a marker of another version is rebuilt."""
 
@@ -59,13 +79,13 @@ def default_cache_dir() -> Path:
 
 
 def llama_config(shape: str, dtype: str):
-    """The `LlamaConfig` of `shape` (untied embeddings, full multi-head attention), saved with `dtype`."""
+    """The `LlamaConfig` of `shape` (untied embeddings; full multi-head attention unless the shape sets
+    `num_key_value_heads`), saved with `dtype`."""
     from transformers import LlamaConfig
 
-    sizes = SHAPES[shape]
+    sizes = {"num_key_value_heads": SHAPES[shape]["num_attention_heads"], **SHAPES[shape]}
     return LlamaConfig(
         **sizes,
-        num_key_value_heads=sizes["num_attention_heads"],
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         initializer_range=INIT_STD,
@@ -128,11 +148,13 @@ def random_llama_folder(
 
     folder = folder_for(shape, dtype, cache_dir)
     stamp = {"format": FORMAT, "shape": shape, "dtype": dtype, "seed": seed, "init_std": INIT_STD}
-    if not _is_complete(folder, stamp):
+    if not _is_complete(folder, stamp) or not _has_tokenizer(folder):
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.parent / f".{folder.name}.lock")):
             if not _is_complete(folder, stamp):  # another process may have built it while this one waited
                 _build(folder, shape, dtype, seed, stamp, device)
+            if not _has_tokenizer(folder):
+                _write_tokenizer(folder, llama_config(shape, dtype).vocab_size)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     logger.info(
         f"Random {shape} Llama checkpoint ({dtype}, {size / 1e9:.2f} GB) in {folder}; remove it with: rm -rf {folder}"
@@ -152,6 +174,39 @@ def _is_complete(folder: Path, stamp: dict) -> bool:
         return all((folder / name).stat().st_size == size for name, size in marker["files"].items())
     except (OSError, KeyError, AttributeError):
         return False
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer (any text encodes; at most `TOKENIZER_VOCAB` and `vocab_size` tokens) trained on
+    this module's docstring, saved into `folder` through a scratch folder so that a kill leaves no half of it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS[0]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(TOKENIZER_VOCAB, vocab_size),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(__doc__.split("\n\n"), trainer)
+    unk, bos, eos, pad = SPECIAL_TOKENS
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token=unk, bos_token=bos, eos_token=eos, pad_token=pad, model_max_length=4096
+    )
+    scratch = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder))
+    try:
+        tokenizer.save_pretrained(scratch)
+        for name in sorted(p.name for p in scratch.iterdir() if p.name not in TOKENIZER_FILES) + list(TOKENIZER_FILES):
+            os.replace(scratch / name, folder / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _build(folder: Path, shape: str, dtype: str, seed: int, stamp: dict, device: str = "cpu") -> None:

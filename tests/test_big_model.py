@@ -60,6 +60,30 @@ def test_checkpoint_is_written_once_and_rebuilt_when_a_build_was_cut_short(tmp_p
     assert shard.read_bytes() == weights
 
 
+def test_folder_has_a_tokenizer_and_an_older_folder_gets_one_with_its_weights_untouched(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = random_llama.random_llama_folder("tiny", "float32", tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = random_llama.llama_config("tiny", "float32")
+    assert len(tokenizer) <= config.vocab_size
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config.bos_token_id, config.eos_token_id)
+    assert tokenizer.pad_token is not None and tokenizer.pad_token_id < config.vocab_size
+    ids = tokenizer("Fine-tuning on a small machine: naïve text too.").input_ids
+    assert max(ids) < config.vocab_size
+    assert tokenizer.decode(ids) == "Fine-tuning on a small machine: naïve text too."
+
+    # A finished folder from before the tokenizer was written gets one; nothing else in it is rewritten.
+    for name in random_llama.TOKENIZER_FILES:
+        (folder / name).unlink()
+    weights = _snapshot(folder)
+    random_llama.random_llama_folder("tiny", "float32", tmp_path)
+    after = _snapshot(folder)
+    assert {name: after[name] for name in weights} == weights
+    assert set(random_llama.TOKENIZER_FILES) <= set(after)
+    assert AutoTokenizer.from_pretrained(folder)(["same text"]).input_ids == tokenizer(["same text"]).input_ids
+
+
 def test_checkpoint_weights_have_the_shape_and_the_same_values_in_both_dtypes(tmp_path):
     from transformers import AutoModelForCausalLM
 
