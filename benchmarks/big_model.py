@@ -26,10 +26,10 @@ token batches (`--batch_size` x `--seq_len`, labels = inputs). `--mode` picks wh
   limit (root and `/sys/fs/cgroup/memory`; v1 charges the group's page cache too, which the kernel reclaims under
   the limit; the group is removed afterwards). Its line has `rc`, the group's `memory.max_usage_in_bytes` and
   `failcnt`, the child's peak `VmRSS` (sampled from `/proc/<pid>/status`) with its anonymous and file-backed parts,
-  overall and by phase (`peak_by_phase`: load and step 1, steps, evaluation in training, save, final evaluation,
-  exit, told apart by the lines the child prints), `s_per_step` between successive loss lines, and the saved folder
-  checked: its shard count, loaded with `from_pretrained`, the middle block's `down_proj` finite and changed. It has
-  no `limit_s_per_step` or `kept_update`.
+  overall and by phase (`peak_by_phase`: load and step 1, steps 2+ and evaluation in training, end of training,
+  save, final evaluation, exit, told apart by the lines the child prints), `s_per_step` between successive loss
+  lines, and the saved folder checked: its shard count, loaded with `from_pretrained`, the middle block's
+  `down_proj` finite and changed. It has no `limit_s_per_step` or `kept_update`.
 
 Each of the other modes prints one JSON line:
 
@@ -662,9 +662,17 @@ def _check_offload_space(folder: Path, blocks) -> None:
 # ---------------------------------------------------------------------------------------- examples/train.py, limited
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN_PY_PHASES = ("load and step 1", "steps", "evaluation in training", "save", "final evaluation", "exit")
-"""What the child is doing, from the lines it prints: the first step's loss, the first `eval_loss`, the trainer's
-`train_runtime` (then `save_model`), `***** train metrics *****` (then `evaluate`), `***** eval metrics *****`."""
+TRAIN_PY_PHASES = (
+    "load and step 1",
+    "steps 2+ and evaluation in training",
+    "end of training",
+    "save",
+    "final evaluation",
+    "exit",
+)
+"""What the child is doing, told by the line that ends the phase before: the first step's loss, the in-training
+`eval_loss` (printed once that evaluation is done), the trainer's `train_runtime` (then `save_model`), `***** train
+metrics *****` (then `evaluate`), `***** eval metrics *****`."""
 TRAIN_TEXT = (
     "A model larger than the memory trains one block at a time.",
     "Zeroth-order fine-tuning needs forward passes only.",
@@ -806,11 +814,11 @@ class _ChildOutput:
 
     def _advance(self, logged: dict) -> None:
         if "eval_loss" in logged:
-            self._to("evaluation in training")
+            self._to("end of training")
         elif "train_runtime" in logged:
             self._to("save")
         elif "loss" in logged:
-            self._to("steps")
+            self._to("steps 2+ and evaluation in training")
 
     def _to(self, phase: str) -> None:
         if TRAIN_PY_PHASES.index(phase) > TRAIN_PY_PHASES.index(self.phase):
