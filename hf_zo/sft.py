@@ -44,7 +44,7 @@ def labelled_positions_only_on_cpu():
     SmolLM2-135M (49,152 words) the full projection made a loss forward of 16 x 88 tokens 12.8 s against 8.3 s for the
     model's own forward with the last position's logits (docs/trl.md). The scores of the labelled positions are the
     same; the other positions' are zero either way. Other devices keep TRL's choice. Relies on TRL's private
-    `trl.trainer.utils._use_triton` (the pinned range, `trl>=1.16,<1.17`, has it).
+    `trl.trainer.utils._use_triton` (TRL 1.16, the lowest release hf_zo[trl] allows, is the first to have it).
     """
     from trl.trainer import utils as trl_utils
 

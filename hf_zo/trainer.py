@@ -32,6 +32,7 @@ from .training.checks import (
     check_train_dataset,
     check_trainable,
 )
+from .training.defaults import log_zo_settings
 from .training.heads import ZOHeadsMixin
 from .training.layout import ZOLayoutMixin
 from .training.optimizer import build_zo_optimizer
@@ -160,6 +161,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOHeadsMixin, ZOSamplingMixin, ZOLayo
         working = self.zo_offloader.device.type if self.zo_offloader is not None else None
         self.optimizer = build_zo_optimizer(self.args, param_groups, working, self._zo_execution())
         self._zo_step_stamp.attach(self.optimizer)
+        log_zo_settings(self.args)  # training starts: what it trains with, defaults filled in included
         return self.optimizer
 
     def _zo_execution(self, optimizer: ZOOptimizer | None = None) -> ZOExecution:

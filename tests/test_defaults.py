@@ -232,3 +232,21 @@ def test_no_pinned_memory_warning_without_an_accelerator(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     assert ZOConfig(output_dir=str(tmp_path)).dataloader_pin_memory is True
     assert ZOConfig(output_dir=str(tmp_path), dataloader_pin_memory=False).dataloader_pin_memory is False
+
+
+def test_the_docs_hold_the_one_table_of_defaults():
+    from hf_zo.training.defaults import defaults_table
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "hyperparameters.md").read_text()
+    assert defaults_table() in docs, "docs/hyperparameters.md: paste hf_zo.training.defaults.defaults_table()"
+
+
+def test_training_logs_the_optimizer_rate_and_eps_it_trains_with_once(tmp_path, caplog):
+    trainer = ZOTrainer(model=_lora(), args=_config(tmp_path), train_dataset=lm_dataset(8))
+    with caplog.at_level("WARNING", logger="hf_zo"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZO training with")]
+    assert lines == [
+        "ZO training with zo_optimizer=zo_sgd, learning_rate=0.0001, zo_eps=0.01, zo_num_perturbations=1, "
+        "zo_noise=gaussian (defaults: docs/hyperparameters.md)"
+    ]

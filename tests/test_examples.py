@@ -289,7 +289,7 @@ def test_api_reference_lists_every_public_object():
         entries = {line.split("`")[1].split("(")[0] for line in f if line.startswith("### `")}
     modules = ["hf_zo", "hf_zo.optim", "hf_zo.heads", "hf_zo.metrics", "hf_zo.engine", "hf_zo.offload"]
     modules += ["hf_zo.parallel", "hf_zo.trajectory", "hf_zo.philox", "hf_zo.models", "hf_zo.training"]
-    modules += ["hf_zo.peft_warnings"]
+    modules += ["hf_zo.peft_warnings", "hf_zo.sft"]
     missing = {m: sorted(set(importlib.import_module(m).__all__) - entries) for m in modules}
     assert not any(missing.values()), f"docs/api.md lacks {missing}: run python docs/gen_api.py"
 

@@ -1,7 +1,10 @@
-"""The learning rate and eps that `ZOConfig` uses when they are left unset: chosen by what the model trains.
+"""hf_zo's defaults in one place: the learning rate and eps `ZOConfig` uses when they are left unset (chosen by what
+the model trains, by the loss and by the optimizer) and `examples/train.py`'s prompt recipe.
 
-ZO learning rates differ by orders of magnitude between fine-tuning methods (MeZO: 1e-6 for all weights, 1e-4 for
-LoRA, 1e-3 for prefix tuning), so no single number can be `TrainingArguments`' 5e-5: for all weights it diverges.
+ZO learning rates differ by orders of magnitude between fine-tuning methods (MeZO's grid: 1e-6 for all weights, 1e-4
+for LoRA, 1e-3 for prefix tuning), so no single number can be `TrainingArguments`' 5e-5. :func:`defaults_table` renders
+every default as the table of docs/hyperparameters.md (tests/test_defaults.py keeps the two equal); the measurements
+behind them are in docs/results/.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ __all__ = [
     "PROMPT_LORA_LAYERS_LEFT_OUT",
     "PROMPT_LORA_TARGET_MODULES",
     "PROMPT_ZO_DEFAULTS",
+    "defaults_table",
     "fill_method_defaults",
+    "log_zo_settings",
     "lora_target_names",
     "prompt_lora_layers",
     "prompt_lora_target_modules",
@@ -45,31 +50,31 @@ class MethodDefaults:
 METHOD_DEFAULTS: dict[str, MethodDefaults] = {
     "full": MethodDefaults(1e-6, 1e-3, "MeZO's grid for full fine-tuning"),
     "lora": MethodDefaults(1e-4, 1e-2, "MeZO's grid for LoRA"),
-    "ln_tuning": MethodDefaults(3e-4, 1e-3, "measured on all-MiniLM-L6-v2 with held-out SST-2 phrases"),
+    "ln_tuning": MethodDefaults(3e-4, 1e-3, "chosen on all-MiniLM-L6-v2 with held-out SST-2 phrases"),
     "prefix": MethodDefaults(1e-3, 1e-1, "MeZO's grid for prefix tuning"),
 }
-"""Defaults by method (docs/hyperparameters.md has the measurements)."""
+"""Defaults by method (docs/hyperparameters.md)."""
 
 LABEL_WORD_METHOD_DEFAULTS: dict[str, MethodDefaults] = {
     "lora": MethodDefaults(
         2e-3,
         1e-2,
-        "measured on SmolLM2-135M-Instruct, LoRA r 8 on q/v, SST-2 prompts (docs/accuracy.md); a ZO step grows with "
-        "the trained parameters, so lower it for larger models (MeZO: 1e-4 on OPT-13B)",
+        "chosen on SmolLM2-135M-Instruct, LoRA r 8 on q/v, SST-2 prompts (docs/results/accuracy.md); a ZO step "
+        "grows with the trained parameters, so lower it for larger models (MeZO: 1e-4 on OPT-13B)",
     ),
 }
 """Defaults by method when the loss is the cross-entropy over a prompt's label words
 (`hf_zo.prompts.PromptClassification` with ``loss="classification"``, MeZO's prompt-based classification), where
-they differ from :data:`METHOD_DEFAULTS`: on the embedded LLM, LoRA learns nothing in minutes at MeZO's 1e-4 there,
-while the same 2e-3 on the full-vocabulary loss of SFT diverged within 50 steps (docs/trl.md)."""
+they differ from :data:`METHOD_DEFAULTS`: the label-word loss is far smaller than a full-vocabulary loss, and so is
+its ZO step at one rate (docs/results/accuracy.md, docs/results/trl.md)."""
 
 LABEL_WORD_LORA_TARGET_DEFAULTS: dict[frozenset[str], MethodDefaults] = {
     frozenset({"q_proj"}): MethodDefaults(
         4e-3,
         1e-2,
-        "measured on SmolLM2-135M-Instruct, LoRA r 8 on q_proj alone, SST-2 prompts (docs/accuracy.md): the query "
-        "projections carry 3x the gradient signal against their noise of q and v together, so their step can be "
-        "longer; 8e-3 climbed faster for 400 steps and then collapsed, 4e-3 held for 860",
+        "chosen on SmolLM2-135M-Instruct, LoRA r 8 on q_proj alone, SST-2 prompts (docs/results/accuracy.md): the "
+        "query projections' estimate has more signal against its noise than q and v together, so the step can be "
+        "longer",
     ),
 }
 """Label-word defaults for LoRA by the modules it adapts (their names without the layer path), where they differ from
@@ -79,13 +84,13 @@ perturbs, not only on how many."""
 PROMPT_LORA_TARGET_MODULES = ("q_proj",)
 """LoRA's default targets for a prompt task on a causal LM (:func:`prompt_lora_target_modules`): the attention's query
 projections, the weights whose ZO estimate had the best signal against its noise on the embedded LLM
-(benchmarks/llm_zo_targets.py, docs/accuracy.md)."""
+(docs/results/accuracy.md)."""
 
 PROMPT_LORA_LAYERS_LEFT_OUT = 1 / 3
-"""The share of a causal LM's lowest layers that LoRA leaves alone for a prompt task (:func:`prompt_lora_layers`). On
-the embedded LLM the query projections of the lowest third carried 7% of the label-word loss's gradient signal and 27%
-of its noise (benchmarks/llm_zo_targets.py), and leaving them frozen lets each ZO step run them once for all its
-forwards (`ZOConfig.zo_reuse_frozen_prefix`): docs/accuracy.md."""
+"""The share of a causal LM's lowest layers that LoRA leaves alone for a prompt task (:func:`prompt_lora_layers`): on
+the embedded LLM their query projections carried little of the label-word loss's gradient signal and much of its
+noise, and leaving them frozen lets each ZO step run them once for all its forwards (`ZOConfig.zo_reuse_frozen_prefix`;
+docs/results/accuracy.md)."""
 
 PROMPT_ZO_DEFAULTS: dict[str, object] = {
     "zo_optimizer": "fzoo",
@@ -94,15 +99,13 @@ PROMPT_ZO_DEFAULTS: dict[str, object] = {
     "learning_rate": 6e-5,
     "zo_eps": 1e-2,
 }
-"""The `ZOConfig` fields `examples/train.py` trains LoRA on a prompt task with unless told otherwise: FZOO's four
-one-sided Rademacher estimates around one centre loss, its step normalised by their spread, at twice FZOO's general
-LoRA rate. On the embedded LLM (LoRA on `q_proj` of the upper two thirds) it lowered the held-out loss of the label
-words three times as far as MeZO's ZO-SGD in the same 10 minutes at 3e-5, and twice as far again at 6e-5
-(docs/accuracy.md)."""
+"""The `ZOConfig` fields of `examples/train.py --recipe prompt`, for LoRA on a prompt task: FZOO's four one-sided
+Rademacher estimates around one centre loss, its step normalised by their spread, at twice FZOO's general LoRA rate
+(the setting that lowered the held-out label-word loss furthest on the embedded LLM: docs/results/accuracy.md)."""
 
 OPTIMIZER_METHOD_DEFAULTS: dict[str, dict[str, MethodDefaults]] = {
     "fzoo": {
-        "lora": MethodDefaults(3e-5, 1e-2, "measured on SmolLM2-135M-Instruct, SST-2 prompts (docs/accuracy.md)")
+        "lora": MethodDefaults(3e-5, 1e-2, "chosen on SmolLM2-135M-Instruct, SST-2 prompts (docs/results/accuracy.md)")
     },
 }
 """Defaults by method of the optimizers whose learning rate has another scale than MeZO's: FZOO normalises its
@@ -206,3 +209,54 @@ def fill_method_defaults(args, model: nn.Module, compute_loss_func=None) -> None
         setattr(args, name, getattr(defaults, name))
     chosen = ", ".join(f"{name}={getattr(defaults, name):g}" for name in unset)
     logger.info(f"ZOConfig: {chosen} for method {method!r} ({defaults.source}); set them to override.")
+
+
+def defaults_table() -> str:
+    """Every default of this module as a Markdown table: what trains, with which loss and optimizer, and the learning
+    rate and eps `ZOConfig` fills in (docs/hyperparameters.md holds this table)."""
+    rows = [("what trains", "loss", "optimizer", "learning_rate", "zo_eps", "source")]
+    for method, d in METHOD_DEFAULTS.items():
+        rows.append(
+            (
+                method,
+                "any",
+                "zo_sgd (and the other MeZO-scale ones)",
+                f"{d.learning_rate:g}",
+                f"{d.zo_eps:g}",
+                d.source,
+            )
+        )
+    for method, d in LABEL_WORD_METHOD_DEFAULTS.items():
+        rows.append((method, "prompt label words", "zo_sgd", f"{d.learning_rate:g}", f"{d.zo_eps:g}", d.source))
+    for targets, d in LABEL_WORD_LORA_TARGET_DEFAULTS.items():
+        what = f"lora on {', '.join(sorted(targets))}"
+        rows.append((what, "prompt label words", "zo_sgd", f"{d.learning_rate:g}", f"{d.zo_eps:g}", d.source))
+    for optimizer, by_method in OPTIMIZER_METHOD_DEFAULTS.items():
+        for method, d in by_method.items():
+            rows.append((method, "any", optimizer, f"{d.learning_rate:g}", f"{d.zo_eps:g}", d.source))
+    recipe = PROMPT_ZO_DEFAULTS
+    rows.append(
+        (
+            "lora, `examples/train.py --recipe prompt`",
+            "prompt label words",
+            f"{recipe['zo_optimizer']} (N={recipe['zo_num_perturbations']}, {recipe['zo_noise']})",
+            f"{recipe['learning_rate']:g}",
+            f"{recipe['zo_eps']:g}",
+            "PROMPT_ZO_DEFAULTS (docs/results/accuracy.md)",
+        )
+    )
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "| " + " | ".join("---" for _ in rows[0]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def log_zo_settings(args) -> None:
+    """Log, when training starts, the estimator, learning rate and eps the run trains with (defaults filled in
+    included), so that what ran is never a guess; `args.should_log` chooses the process (the main one)."""
+    if not getattr(args, "should_log", True):
+        return
+    logger.warning(
+        f"ZO training with zo_optimizer={args.zo_optimizer}, learning_rate={args.learning_rate:g}, "
+        f"zo_eps={args.zo_eps:g}, zo_num_perturbations={args.zo_num_perturbations}, zo_noise={args.zo_noise} "
+        "(defaults: docs/hyperparameters.md)"
+    )
