@@ -4,8 +4,9 @@ The model scores " terrible" / " great" after "<sentence> It was" (MeZO's SST-2 
 `hf_zo.prompts.PromptClassification`); LoRA (r=8 on q_proj, v_proj) is trained with MeZO's ZO-SGD (the estimator
 that climbed fastest per second on SST-2 with this model, docs/accuracy.md) on the 320 training sentences of
 `hf_zo/demo/data`. No head, no probe: every point of accuracy gained is ZO's. It prints the held-out
-accuracy before and after, one generation before and after, and the peak resident memory of ZO training against an
-inference pass and against one first-order (AdamW) step on the same batch.
+accuracy before and after, one generation before and after, and the peak resident memory of ZO steps, of an inference
+forward and of one first-order (AdamW) step on the same batch, each measured alone in a fresh process
+(`hf_zo/demo/phase.py`), so that neither side's peak can hide in memory another phase left resident.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 import torch
 
 from . import DATA_DIR
-from .memory import PeakMemory
 
 TEMPLATE = "{sentence} It was"
 LABEL_WORDS = (" terrible", " great")
@@ -30,55 +30,58 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 4) -> str:
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def first_order_peak(model, task, rows: list[dict]) -> PeakMemory:
-    """The peak resident memory of one first-order AdamW step on `rows` (the trainable weights are put back)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.detach().clone() for p in trainable]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    batch = task(rows)
-    labels = batch.pop("labels")
-    model.train()
-    with PeakMemory() as memory:
-        loss = task.compute_loss(model(**batch), labels)
-        loss.backward()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for param, value in zip(trainable, saved):
-            param.copy_(value)
-    model.eval()
-    return memory
+def demo_task(tokenizer):
+    """The prompt task and the demo's tokenized sentiment data (`train`, `test`)."""
+    from datasets import load_dataset
+
+    from hf_zo.prompts import PromptClassification
+
+    task = PromptClassification(tokenizer, TEMPLATE, LABEL_WORDS)
+    files = {"train": str(DATA_DIR / "sentiment_train.jsonl"), "test": str(DATA_DIR / "sentiment_test.jsonl")}
+    return task, task.tokenize(load_dataset("json", data_files=files))
+
+
+def demo_model(lora_rank: int):
+    """The embedded LLM in fp32 with LoRA (rank `lora_rank`) on q_proj and v_proj."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_zo.models import embedded_llm_path
+    from hf_zo.peft_warnings import peft_warnings_ignored
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_llm_path(), dtype=torch.float32)
+    lora = LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "v_proj"]
+    )
+    with peft_warnings_ignored():
+        return get_peft_model(model, lora)
+
+
+def demo_batch(batch_size: int):
+    """The prompt task and the first `batch_size` training rows: the batch the memory phases measure."""
+    from transformers import AutoTokenizer
+
+    from hf_zo.models import embedded_llm_path
+
+    task, data = demo_task(AutoTokenizer.from_pretrained(embedded_llm_path()))
+    return task, [data["train"][i] for i in range(batch_size)]
 
 
 def run(demo) -> dict:
     """Run the LLM demo with `demo`'s options (`DemoArguments`) and return its summary."""
-    from datasets import load_dataset
-    from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoTokenizer, set_seed
 
     from hf_zo import ZOConfig, ZOTrainer
     from hf_zo.metrics import build_compute_metrics
     from hf_zo.models import EMBEDDED_LLM_ID, embedded_llm_path
-    from hf_zo.peft_warnings import peft_warnings_ignored
-    from hf_zo.prompts import PromptClassification
+
+    from .phase import PHASES, peak_in_fresh_process
 
     set_seed(demo.seed)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    path = embedded_llm_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    task = PromptClassification(tokenizer, TEMPLATE, LABEL_WORDS)
-    files = {"train": str(DATA_DIR / "sentiment_train.jsonl"), "test": str(DATA_DIR / "sentiment_test.jsonl")}
-    data = task.tokenize(load_dataset("json", data_files=files))
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    lora = LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=demo.lora_rank,
-        lora_alpha=2 * demo.lora_rank,
-        target_modules=["q_proj", "v_proj"],
-    )
-    with peft_warnings_ignored():
-        model = get_peft_model(model, lora)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_llm_path())
+    task, data = demo_task(tokenizer)
+    model = demo_model(demo.lora_rank)
     args = ZOConfig(
         output_dir=demo.output_dir,
         max_steps=demo.max_steps,
@@ -104,16 +107,15 @@ def run(demo) -> dict:
         **task.trainer_kwargs(),
     )
     generation_before = generate(model, tokenizer, GENERATION_PROMPT)
-    with PeakMemory() as inference_memory:
-        before = trainer.evaluate()
+    before = trainer.evaluate()
     start = time.perf_counter()
-    with PeakMemory() as training_memory:
-        trainer.train()
+    trainer.train()
     wall_time = time.perf_counter() - start
     after = trainer.evaluate()
     generation_after = generate(model, tokenizer, GENERATION_PROMPT)
-    first_order_memory = first_order_peak(model, task, [data["train"][i] for i in range(demo.batch_size)])
     trainer.save_model()
+    settings = (demo.batch_size, demo.lora_rank, demo.learning_rate, demo.zo_eps)
+    peaks = {phase: peak_in_fresh_process(phase, *settings)["peak_mib"] for phase in PHASES}
 
     return {
         "model": f"{EMBEDDED_LLM_ID} + LoRA, MeZO (hf_zo ZOTrainer)",
@@ -129,9 +131,10 @@ def run(demo) -> dict:
         "generation_before": generation_before,
         "generation_after": generation_after,
         "train_wall_time_s": round(wall_time, 1),
-        "inference_peak_mib": round(inference_memory.peak_mib, 1),
-        "zo_training_peak_mib": round(training_memory.peak_mib, 1),
-        "first_order_step_peak_mib": round(first_order_memory.peak_mib, 1),
-        "zo_over_inference_memory": round(training_memory.peak_mib / inference_memory.peak_mib, 3),
-        "first_order_over_inference_memory": round(first_order_memory.peak_mib / inference_memory.peak_mib, 3),
+        "memory_measured": f"peak resident memory, each phase alone in a fresh process, batch {demo.batch_size}",
+        "inference_peak_mib": peaks["inference"],
+        "zo_step_peak_mib": peaks["zo"],
+        "first_order_step_peak_mib": peaks["first_order"],
+        "zo_over_inference_memory": round(peaks["zo"] / peaks["inference"], 3),
+        "first_order_over_inference_memory": round(peaks["first_order"] / peaks["inference"], 3),
     }
