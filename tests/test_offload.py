@@ -397,3 +397,39 @@ def test_disk_storage_writes_and_removes_only_its_own_files(tmp_path):
     (tmp_path / "new" / "later.txt").write_bytes(b"mine")
     storage.close()
     assert _contents(tmp_path / "new") == {"later.txt": b"mine"}
+
+
+def test_a_killed_runs_block_files_go_with_the_next_storage_in_the_folder(tmp_path):
+    """A process killed with SIGKILL cannot remove its block files; the next storage created in the same folder
+    does, and leaves the folders of storages that are alive, and any folder holding a file it did not write."""
+    from hf_zo.offload import DiskStorage
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        from hf_zo.offload import DiskStorage
+        storage = DiskStorage({str(tmp_path)!r})
+        storage.store_block(0, [("weight", torch.ones(4))])
+        print(storage.directory, flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.stdin.read()  # alive until the test closes its input
+        """
+    )
+    kept_by_user = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, text=True, timeout=120)
+    with_user_file = kept_by_user.stdout.strip()
+    open(os.path.join(with_user_file, "notes.txt"), "w").write("mine")
+    alive = subprocess.Popen([sys.executable, "-c", script, "live"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        live_folder = alive.stdout.readline().decode().strip()
+        killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, text=True, timeout=120)
+        abandoned = killed.stdout.strip()
+        assert os.path.isdir(abandoned) and os.path.isdir(live_folder)
+        storage = DiskStorage(str(tmp_path))
+        assert not os.path.exists(abandoned)
+        assert os.path.isfile(os.path.join(live_folder, "block_00000.safetensors"))
+        assert open(os.path.join(with_user_file, "notes.txt")).read() == "mine"
+        storage.close()
+    finally:
+        alive.communicate(timeout=60)
+    assert not os.path.exists(live_folder)  # the live storage removed its own on exit

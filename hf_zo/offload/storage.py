@@ -13,8 +13,10 @@ whenever the block is not on the working device, so `state_dict()`, `load_state_
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -26,10 +28,14 @@ from collections.abc import Sequence
 import numpy
 import torch
 from safetensors.torch import save_file
+from transformers.utils import logging
 
 from .pages import release_mapped
 
+logger = logging.get_logger(__name__)
+
 OFFLOAD_TIERS = ("cpu", "disk")
+_BLOCK_FILE = re.compile(r"block_\d{5}\.safetensors")
 
 
 class BlockStorage(ABC):
@@ -111,6 +117,9 @@ class DiskStorage(BlockStorage):
     PREFIX = "hf_zo-offload-"
     """Name prefix of the storage's own folder."""
 
+    LOCK_NAME = ".owner.lock"
+    """A file in the storage's folder, locked (`flock`) while the storage lives."""
+
     def __init__(self, directory: str | None = None):
         root = tempfile.gettempdir() if directory is None else os.path.abspath(directory)
         # The folders on the way to `root` that do not exist yet, deepest first: the storage creates them, so they
@@ -139,10 +148,16 @@ class DiskStorage(BlockStorage):
         self.root = root
         self.paths: list[str] = []
         self._names: dict[int, list[str]] = {}
+        # Held for the storage's life: the kernel releases it when the process ends, however it ends, which is how
+        # a later storage tells a killed run's folder from a live one.
+        lock_path = os.path.join(self.directory, self.LOCK_NAME)
+        self._lock = open(lock_path, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Mapped files stay readable after unlinking, so the files and the folders the storage created can go when
         # the storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
         self._folders = [self.directory, *created]
-        weakref.finalize(self, _remove, self.paths, self._folders)
+        weakref.finalize(self, _remove, self.paths, self._folders, self._lock)
+        _remove_abandoned(root, keep=self.directory)
 
     def store_block(self, block, named_tensors):
         path = os.path.join(self.directory, f"block_{block:05d}.safetensors")
@@ -175,16 +190,45 @@ class DiskStorage(BlockStorage):
         return _map_safetensors(path, self._names[block], mode="r")
 
     def close(self) -> None:
-        _remove(self.paths, self._folders)
+        _remove(self.paths, self._folders, self._lock)
 
 
-def _remove(paths: list[str], folders: list[str]) -> None:
-    """Delete the block files `paths`, then each of `folders` (in order) that is empty, and empty both lists."""
+def _remove(paths: list[str], folders: list[str], lock=None) -> None:
+    """Delete the block files `paths` (and the `lock` file, closed), then each of `folders` (in order) that is empty,
+    and empty both lists."""
+    if lock is not None and not lock.closed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock.name)
+        lock.close()
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     paths.clear()
     _remove_folders(folders)
+
+
+def _remove_abandoned(root: str, keep: str) -> None:
+    """Remove the storage folders in `root` that a killed process left behind (a process that ends normally removes
+    its own): those whose lock file is not held. Only the files a storage writes there are deleted; a folder holding
+    anything else stays, and so does one without a lock file (a storage between its folder and its lock)."""
+    for entry in os.scandir(root):
+        if (
+            not entry.name.startswith(DiskStorage.PREFIX)
+            or entry.path == keep
+            or not entry.is_dir(follow_symlinks=False)
+        ):
+            continue
+        try:
+            with open(os.path.join(entry.path, DiskStorage.LOCK_NAME), "r+") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner lives
+                names = os.listdir(entry.path)
+                if all(n == DiskStorage.LOCK_NAME or _BLOCK_FILE.fullmatch(n) for n in names):
+                    for name in names:
+                        os.remove(os.path.join(entry.path, name))
+                    os.rmdir(entry.path)
+                    logger.warning(f"Removed {entry.path}, the block files of an offloaded run that was killed.")
+        except OSError:  # held by a live storage, no lock file, or not ours to remove
+            continue
 
 
 def _remove_folders(folders: list[str]) -> None:
