@@ -8,6 +8,7 @@ this process with one intra-op thread, as the workers do, so every comparison is
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import fsdp_worker
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hf_zo.optim import ZO_OPTIMIZERS
 from hf_zo.parallel import DistZOPlugin
@@ -38,19 +40,27 @@ def reference(tmp_path_factory) -> dict:
         torch.set_num_threads(threads)
 
 
+def _run(command: list[str]) -> str:
+    """Run `command` from the repository root (one intra-op thread, offline); return its output, which must end
+    cleanly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_ZO_", "ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "terminate called" not in output, output[-5000:]
+    return output
+
+
+def _launch_fsdp2(script: Path, *args: str) -> str:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), str(script), *args])
+
+
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory) -> list[dict]:
     """accelerate launch with examples/accelerate_configs/fsdp2_cpu_2_processes.yaml: each rank's results."""
     out = tmp_path_factory.mktemp("fsdp2")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_ZO_", "ACCELERATE_", "FSDP_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), str(ROOT / "tests" / "fsdp_worker.py")]
-    result = subprocess.run(
-        [*command, "fsdp2", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-5000:]
-    assert "terminate called" not in output, output[-5000:]
+    _launch_fsdp2(ROOT / "tests" / "fsdp_worker.py", "fsdp2", str(out))
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
@@ -89,6 +99,55 @@ def test_fsdp2_runs_move_their_weights(reference):
     base = fsdp_worker.lora(fsdp_worker.tiny_causal_lm("llama"))
     start = {n: p.detach() for n, p in base.named_parameters() if p.requires_grad}
     assert all(not torch.equal(start[n], p) for n, p in reference["llama_lora"]["params"].items())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_examples_train_on_the_embedded_llm_under_fsdp2_equals_gradient_accumulation(tmp_path):
+    from hf_zo.models import embedded_llm_path
+
+    data = ROOT / "examples" / "data" / "sst2"
+    arguments = ["--model_name_or_path", embedded_llm_path(), "--task_name", "sst2"]
+    arguments += ["--train_file", str(data / "train.tsv"), "--validation_file", str(data / "validation.tsv")]
+    arguments += [
+        "--num_train",
+        "32",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--logging_steps",
+        "1",
+    ]
+    arguments += ["--do_eval", "false", "--save_strategy", "no", "--report_to", "none", "--log_level", "info"]
+    train = ROOT / "examples" / "train.py"
+    output = _launch_fsdp2(train, *arguments, "--output_dir", str(tmp_path / "fsdp2"))
+    _run(
+        [
+            sys.executable,
+            str(train),
+            *arguments,
+            "--gradient_accumulation_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "one"),
+        ]
+    )
+
+    (line,) = [line for line in output.splitlines() if "hf_zo layout: fsdp2" in line]
+    fields = dict(field.split("=") for field in line.split()[3:])
+    assert fields["world"] == "2" and int(fields["local_param_bytes"]) <= 0.6 * int(fields["total_param_bytes"])
+    weights = "model.safetensors"
+    _assert_bitwise_equal(load_file(tmp_path / "fsdp2" / weights), load_file(tmp_path / "one" / weights))
+    losses = [
+        [
+            entry["loss"]
+            for entry in json.loads((tmp_path / run / "trainer_state.json").read_text())["log_history"]
+            if "loss" in entry
+        ]
+        for run in ("fsdp2", "one")
+    ]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
 
 
 def test_fsdp_version_is_read_from_accelerate_launch(monkeypatch):

@@ -102,8 +102,9 @@ def check_fsdp_layout(
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` in place with FSDP2 over `mesh`: each repeated block, then the root, all resharded after
-    their forward.
+    """Shard `model` in place with FSDP2 over `mesh`: each repeated block, the input and output embeddings when
+    they are not tied (so that a forward never holds both whole at once), then the root, all resharded after their
+    forward.
 
     Args:
         model (`nn.Module`): a transformers model, possibly wrapped by PEFT, identical on every process.
@@ -120,10 +121,26 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             f"{type(model).__name__} is sharded already; hand ZOTrainer the model before fully_shard (hf_zo shards "
             "it per block itself, so that its optimizer sees the shards it sweeps)."
         )
-    for block in find_blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    for unit in [*find_blocks(model), *_untied_embeddings(model)]:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     return model
+
+
+def _untied_embeddings(model: nn.Module) -> list[nn.Module]:
+    """The input and output embeddings of a transformers model (`get_input_embeddings`, `get_output_embeddings`),
+    unless they share their weight (one FSDP2 unit must then hold both: the root's)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+            found.append(module)
+    if len(found) == 2 and {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
+        return []
+    return found
 
 
 def param_bytes(model: nn.Module) -> tuple[int, int]:

@@ -46,6 +46,14 @@ class ZOLayoutMixin:
         self.zo_offloader = None
         self._zo_full_state_dict = None
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """`Trainer.create_accelerator_and_postprocess`. Under FSDP2 hf_zo shards the model itself and gathers it to
+        save, so `Trainer` keeps its plain path, on GPUs as on CPUs (where Accelerate sets up no FSDP state): it
+        neither wraps the model nor swaps the optimizer's parameters."""
+        super().create_accelerator_and_postprocess()
+        if self.zo_plugin.fsdp_version == 2:
+            self.is_fsdp_enabled = False
+
     def _add_zo_replica_check(self) -> None:
         """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical (not
         under FSDP2: each process holds its own shards, no replica)."""
