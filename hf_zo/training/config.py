@@ -105,16 +105,15 @@ class ZOConfig(TrainingArguments):
             Training examples the linear probe is fitted on (one forward pass each), drawn at random: seeded by
             `seed`, the same on every process, so that a data set sorted by length or grouped by label still gives
             a sample of the task (all of it when it is smaller or has no length), then ordered by length when the
-            set is tokenized (an `input_ids` column), so that the probe's batches carry little padding. On SST-2,
-            16,384 examples fit a probe 1.1 points better than 4,096 on held-out training sentences (see
-            docs/accuracy.md), and their forwards take 30 s on 2 CPU cores (104 s in a random order). The probe
-            runs before the first step, with a progress bar; on long inputs it takes minutes (IMDB reviews at 128
-            tokens: 6 minutes on 2 CPU cores), and a smaller value starts training sooner.
+            set is tokenized (an `input_ids` column), so that the probe's batches carry little padding. More
+            examples fit a better probe and cost one forward each (docs/results/accuracy.md). The probe runs before
+            the first step, with a progress bar; on long inputs it takes minutes, and a smaller value starts
+            training sooner.
         zo_head_init_l2 (`float`, *optional*):
             L2 penalty of the linear probe on standardised features. By default it is chosen among
-            `hf_zo.heads.PROBE_L2_GRID` by 3-fold cross-validation on the probe's examples (under 3 s for 16,384
-            examples on 2 CPU cores): the best penalty shrinks as examples grow, and a fixed small one over-fits a
-            few hundred examples (on 512 SST-2 phrases: validation loss 0.95 at 1e-2 against 0.50 at the chosen 0.3).
+            `hf_zo.heads.PROBE_L2_GRID` by 3-fold cross-validation on the probe's examples (a few seconds): the
+            best penalty shrinks as examples grow, and a fixed small one over-fits a few hundred examples
+            (docs/results/accuracy.md).
 
     Parameters that control the distributed layout (DistZO2, see `hf_zo.parallel.DistZOPlugin`):
 
@@ -192,10 +191,10 @@ class ZOConfig(TrainingArguments):
     Defaults changed from `TrainingArguments`:
 
         learning_rate (`float`, *optional*):
-            Default: by what the model trains (`hf_zo.training.defaults`), since ZO learning rates differ by orders of
-            magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA (2e-3 on the label-word
-            loss of prompt classification, 4e-3 there for LoRA on `q_proj` alone), 1e-3 for prefix and prompt tuning,
-            and 3e-4 for the norm layers (PEFT's LN tuning, measured on all-MiniLM-L6-v2).
+            Default: by what the model trains, the loss and the optimizer, from the one table of defaults
+            (`hf_zo.training.defaults`, docs/hyperparameters.md), since ZO learning rates differ by orders of
+            magnitude between methods: MeZO's 1e-6 without PEFT (all weights), 1e-4 for LoRA, 1e-3 for prefix and
+            prompt tuning, 3e-4 for the norm layers (PEFT's LN tuning); other values on a prompt's label words.
             `ZOTrainer` fills it in (and `zo_eps`) when it gets the model; another PEFT method needs both set.
         max_grad_norm (`float`, defaults to `0.0`):
             ZO has no gradients to clip; any value is a no-op.
@@ -203,8 +202,8 @@ class ZOConfig(TrainingArguments):
             MeZO trains with a constant learning rate.
         train_sampling_strategy (`str`, defaults to `"group_by_length"`):
             Training batches of similar length (`hf_zo.training.sampling.ZOLengthGroupedSampler`): a ZO step is two
-            forward passes over a padded batch, and ZO takes many steps. On SST-2 (all-MiniLM-L6-v2, batch 16, 2 CPU
-            cores) 300 steps take 22.7 s instead of 48.9 s with batches drawn at random. The order depends only on
+            forward passes over a padded batch, and ZO takes many steps (the time saved: docs/results/accuracy.md).
+            The order depends only on
             the seed, the epoch and the global batch, so data parallelism equals gradient accumulation and resume is
             exact. Without a length per example (a `length_column_name` column or the tokenizer's first input in
             every example) batches are drawn at random, with a warning. On one process evaluation batches run
