@@ -493,6 +493,7 @@ class Noise:
         decay: float,
         terms: Sequence[tuple[int, float]],
         total: int | None = None,
+        stochastic_rounding: bool | None = None,
     ) -> None:
         """In place, ``chunk <- decay * chunk + sum(coeff * z(seed)[start:] for seed, coeff in terms)``.
 
@@ -500,9 +501,11 @@ class Noise:
         for a chunk of a shard, see :meth:`fill_`), `scratch` an fp32 buffer of its size for the noise. Every sweep
         updates chunks this way, so all of them round alike: each operation (the decay, then each term) rounds once
         to `chunk`'s dtype, so that the result does not depend on how the operations are grouped into sweeps;
-        stochastically for a bfloat16 chunk with `stochastic_rounding`.
+        stochastically for a bfloat16 chunk with `stochastic_rounding` (`None`: the noise's own setting).
         """
-        if self.stochastic_rounding and chunk.dtype in (torch.bfloat16, torch.float16):
+        if stochastic_rounding is None:
+            stochastic_rounding = self.stochastic_rounding
+        if stochastic_rounding and chunk.dtype in (torch.bfloat16, torch.float16):
             self._update_chunk_stochastically_(chunk, scratch, index, start, decay, terms, total)
             return
         if decay != 1.0:
@@ -581,8 +584,19 @@ class Noise:
         bits.bitwise_xor_(bits >> 16).bitwise_and_(0xFFFF)
         round_stochastically_(chunk, value, bits)
 
-    def apply_(self, tensors: Sequence[tuple[int, torch.Tensor]], updates: Sequence[NoiseUpdate]) -> None:
-        """Apply ``updates[k]`` to ``tensors[k] = (index, tensor)`` in place, in one sweep over memory."""
+    def apply_(
+        self,
+        tensors: Sequence[tuple[int, torch.Tensor]],
+        updates: Sequence[NoiseUpdate],
+        stochastic_rounding: bool | None = None,
+    ) -> None:
+        """Apply ``updates[k]`` to ``tensors[k] = (index, tensor)`` in place, in one sweep over memory.
+
+        `stochastic_rounding=False` rounds this sweep to nearest even where the noise rounds stochastically: for a
+        perturbation that is undone from a saved copy, whose rounding no update keeps (half the cost of a bfloat16
+        sweep). `None` follows the noise's own setting."""
+        if stochastic_rounding is None:
+            stochastic_rounding = self.stochastic_rounding
         live = [(k, u) for k, u in enumerate(updates) if not u.is_identity()]
         if not live:
             return
@@ -605,7 +619,7 @@ class Noise:
         def visit(position, start, chunk, scratch):
             decay, terms = plans[position]
             index, tensor = selected[position]
-            self.update_chunk_(chunk, scratch[0], index, start, decay, terms, tensor.numel())
+            self.update_chunk_(chunk, scratch[0], index, start, decay, terms, tensor.numel(), stochastic_rounding)
 
         self.map_chunks(selected, visit)
 

@@ -236,3 +236,16 @@ def test_a_range_cut_anywhere_rounds_as_the_whole_tensor(algorithm):
     terms = list(update.terms.items())
     noise.update_chunk_(shard, torch.empty(len(shard)), 2, start, update.decay, terms, len(weights))
     assert torch.equal(shard, whole[start:stop])
+
+
+def test_perturbations_undone_from_a_copy_round_to_nearest(tmp_path):
+    """With exact restore the dual engine undoes each block's perturbation from a saved copy, so the perturbation's
+    rounding is never kept: it rounds to nearest, and the first step's losses are those of rounding to nearest."""
+    base = _bf16_llama()
+    overrides = dict(max_steps=1, logging_steps=1, save_strategy="no")
+    losses = {}
+    for stochastic in (True, False):
+        output_dir = tmp_path / str(stochastic)
+        trainer = _train(copy.deepcopy(base), output_dir, zo_stochastic_rounding=stochastic, **overrides)
+        losses[stochastic] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[True] == losses[False] and len(losses[True]) == 1

@@ -256,7 +256,9 @@ class DualEngine:
 
     def _apply(self, unit: _Unit, updates: list[NoiseUpdate]) -> None:
         params = self._params
-        params.noise.apply_([params.tensors[k] for k in unit.positions], updates)
+        # A perturbation that the saved copy will undo keeps none of its rounding: to nearest, the cheaper way.
+        stochastic = False if unit.base_copy is not None else None
+        params.noise.apply_([params.tensors[k] for k in unit.positions], updates, stochastic_rounding=stochastic)
 
     def _tensors(self, unit: _Unit) -> list[torch.Tensor]:
         return [self._params.tensors[k][1] for k in unit.positions]
