@@ -36,7 +36,7 @@ SHAPE = dict(
 """TinyLlama-1.1B's shape."""
 
 
-def build_model(sharded: bool):
+def build_model(sharded: bool, layers: int):
     """The Llama, its parameters filled with seeded noise (x 0.02), sharded with FSDP2 first when `sharded`; and the
     plugin that sharded it (`None` otherwise)."""
     import torch
@@ -45,7 +45,7 @@ def build_model(sharded: bool):
     from hf_zo.noise import Noise, local_shard
     from hf_zo.parallel import DistZOPlugin
 
-    config = LlamaConfig(**SHAPE)
+    config = LlamaConfig(**dict(SHAPE, num_hidden_layers=layers))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     plugin = None
@@ -64,7 +64,7 @@ def build_model(sharded: bool):
     return model, plugin
 
 
-def worker(steps: int, length: int) -> None:
+def worker(steps: int, length: int, layers: int) -> None:
     """One process of a run: train and print its JSON line."""
     import torch
 
@@ -73,7 +73,7 @@ def worker(steps: int, length: int) -> None:
 
     torch.set_num_threads(1)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    model, plugin = build_model(sharded)
+    model, plugin = build_model(sharded, layers)
     model.eval()
     optimizer = ZOSGD([p for p in model.parameters()], lr=1e-6, eps=1e-3, seed=0, cache_noise=False)
     if plugin is not None:
@@ -122,12 +122,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--length", type=int, default=32, help="tokens per sequence (batch of one)")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (a quick run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.steps, args.length)
+        worker(args.steps, args.length, args.layers)
         return
     script = [str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--length", str(args.length)]
+    script += ["--layers", str(args.layers)]
     (unsharded,) = run([sys.executable, *script])
     accelerate = str(Path(sys.executable).parent / "accelerate")
     sharded = run([accelerate, "launch", "--config_file", str(CONFIG), *script])

@@ -15,7 +15,7 @@ from packaging.specifiers import SpecifierSet
 
 RANGES = {
     "torch": ">=2.6",
-    "transformers": ">=5.2,<6",
+    "transformers": ">=5.16,<6",
     "peft": ">=0.18,<1",
     "accelerate": ">=1.10.1,<2",
 }

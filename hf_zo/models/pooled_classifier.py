@@ -24,7 +24,11 @@ import os
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedConfig, PreTrainedModel
-from transformers.configuration_utils import SubConfigSpec
+
+try:  # transformers >= 5.20 builds sub-configs from a declared spec
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:  # 5.16-5.19: a sub-config is a class; PooledEncoderConfig.__post_init__ builds it
+    SubConfigSpec = None
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -71,6 +75,14 @@ _ENCODER_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads")
 """The encoder's sizes that `PooledEncoderConfig` repeats at its top level, where PEFT looks for them."""
 
 
+def _encoder_config(encoder: PreTrainedConfig | dict | None) -> PreTrainedConfig:
+    """`encoder` as a config: a dict through its `model_type`, `None` as BERT's defaults (transformers < 5.20)."""
+    if isinstance(encoder, PreTrainedConfig):
+        return encoder
+    fields = dict(encoder or {})
+    return AutoConfig.for_model(fields.pop("model_type", "bert"), **fields)
+
+
 class PooledEncoderConfig(PreTrainedConfig):
     r"""Configuration of :class:`PooledEncoderForSequenceClassification`.
 
@@ -84,7 +96,10 @@ class PooledEncoderConfig(PreTrainedConfig):
     """
 
     model_type = "hf_zo_pooled_encoder"
-    sub_configs_defaults = {"encoder": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+    if SubConfigSpec is not None:
+        sub_configs_defaults = {"encoder": SubConfigSpec(config_class=AutoConfig, model_type="bert")}
+    else:
+        sub_configs = {"encoder": AutoConfig}
 
     encoder: PreTrainedConfig | dict | None = None
     pooling_mode: str = "mean"
@@ -92,6 +107,8 @@ class PooledEncoderConfig(PreTrainedConfig):
     classifier_dropout: float = 0.0
 
     def __post_init__(self, **kwargs):
+        if SubConfigSpec is None:  # what `sub_configs_defaults` does from transformers 5.20 on
+            self.encoder = _encoder_config(self.encoder)
         if self.pooling_mode not in POOLING_MODES:
             raise ValueError(f"Unknown pooling_mode {self.pooling_mode!r}; choose one of {list(POOLING_MODES)}.")
         super().__post_init__(**kwargs)
