@@ -22,6 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from .engine import DualEngine, FrozenPrefix
 from .heads import first_order_parameter_names
+from .models.quantized import release_loading_memory
 from .optim import ZOExecution, ZOOptimizer
 from .training import SamplerEpochCallback, ZOConfig, fill_method_defaults
 from .training.arguments import prepare_zo_args
@@ -123,6 +124,7 @@ class ZOTrainerMixin(ZOCheckpointingMixin, ZOHeadsMixin, ZOSamplingMixin, ZOLayo
         if self._zo_training_in_view:
             check_trainable(self.model)
             check_quantized_base(self.model, self.zo_plugin.offload)
+        release_loading_memory(self.model)  # a quantized base's load leaves the full-precision pages resident
         self._prepare_zo_model(self.model, self.args.device)
 
     def _check_zo_train_dataset(self) -> None:

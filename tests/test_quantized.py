@@ -71,8 +71,15 @@ def test_zo_lora_on_a_4bit_base_changes_only_the_adapter(base_dir, tmp_path):
     assert is_quantized(model)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert q_proj.base_layer.weight.dtype == torch.uint8  # packed 4-bit weights
+    tensors = lambda: [*model.parameters(), *model.buffers()]  # noqa: E731
+    # The unquantized tensors are views of the mapped checkpoint after from_pretrained; ZOTrainer copies them out of
+    # the mapping, so that its pages (those of the full-precision weights) go.
+    assert not all(tensor.untyped_storage().resizable() for tensor in tensors())
+    args = zo_args(tmp_path, learning_rate=0.05, max_steps=6, logging_steps=3)
+    trainer = ZOTrainer(model=model, args=args, train_dataset=lm_dataset(16, length=8))
+    assert all(tensor.untyped_storage().resizable() for tensor in tensors())
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    _train(model, tmp_path)
+    trainer.train()
     after = model.state_dict()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     # The quantized weights, their quantization state and every other frozen tensor are bitwise unchanged.

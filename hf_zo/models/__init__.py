@@ -19,6 +19,7 @@ from .quantized import (
     quant_method,
     quantization_config_from_record,
     quantization_record,
+    release_loading_memory,
 )
 from .smollm2 import EMBEDDED_LLM_ID, EMBEDDED_LLM_INSTALL, embedded_llm_path
 
@@ -42,4 +43,5 @@ __all__ = [
     "quantization_config_from_record",
     "quantization_record",
     "read_pooling_config",
+    "release_loading_memory",
 ]

@@ -10,8 +10,11 @@ Needs the `quant` extra: ``pip install "hf-zo[quant]"``.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import gc
 import importlib.util
+import sys
 
 import torch
 
@@ -23,6 +26,7 @@ __all__ = [
     "quant_method",
     "quantization_config_from_record",
     "quantization_record",
+    "release_loading_memory",
 ]
 
 QUANTIZATION_INSTALL = 'pip install "hf-zo[quant]"'
@@ -120,6 +124,42 @@ def quantization_config_from_record(record: dict):
     if record.get("quant_method") == "bitsandbytes":
         _require("bitsandbytes")
     return AutoQuantizationConfig.from_dict(dict(record))
+
+
+def release_loading_memory(model: torch.nn.Module) -> int:
+    """Hand back the memory that loading a quantized `model` leaves behind, before it trains.
+
+    `from_pretrained` maps the full-precision checkpoint and quantizes each weight from it; the tensors left
+    unquantized (embeddings, norms, the LM head) stay views of that mapping, which keeps every page read through it
+    resident, the full-precision weights of the quantized layers included, and the allocator keeps the quantization's
+    temporaries. This copies the tensors still backed by the file into the process's own memory, so the mapping and
+    its pages go, and returns the freed heap to the system (glibc's `malloc_trim`). A model in full precision is left
+    as it is: its weights are the mapping.
+
+    Returns:
+        `int`: the number of parameters and buffers copied out of the mapping.
+    """
+    if not is_quantized(model):
+        return 0
+    copied = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or tensor.device.type != "cpu" or tensor.untyped_storage().resizable():
+                        continue  # torch's own memory (a tied weight is copied once: then it is torch's)
+                    if isinstance(tensor, torch.nn.Parameter):
+                        tensor.data = tensor.data.clone()
+                    else:
+                        table[name] = tensor.clone()
+                    copied += 1
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # another C library: the heap stays as it is
+            pass
+    return copied
 
 
 def _require(package: str) -> None:
