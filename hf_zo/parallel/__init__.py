@@ -1,5 +1,5 @@
-"""DistZO2 on Accelerate: perturbation parallelism and scalar-only ZO data parallelism over a (dp, pertp) mesh, and
-sliced upload of offloaded blocks."""
+"""DistZO2 on Accelerate: perturbation parallelism and scalar-only ZO data parallelism over a (dp, pertp) mesh,
+sliced upload of offloaded blocks, and FSDP2 shards that each process sweeps on its own (`hf_zo.parallel.fsdp`)."""
 
 from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
