@@ -141,6 +141,7 @@ def release_loading_memory(model: torch.nn.Module) -> int:
     """
     if not is_quantized(model):
         return 0
+    _trim_heap()  # first, so that the copies below reuse the freed heap instead of adding to the peak
     copied = 0
     with torch.no_grad():
         for module in model.modules():
@@ -154,12 +155,17 @@ def release_loading_memory(model: torch.nn.Module) -> int:
                         table[name] = tensor.clone()
                     copied += 1
     gc.collect()
+    _trim_heap()
+    return copied
+
+
+def _trim_heap() -> None:
+    """Return the allocator's free memory to the system (glibc's `malloc_trim`; nothing elsewhere)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # another C library: the heap stays as it is
             pass
-    return copied
 
 
 def _require(package: str) -> None:
