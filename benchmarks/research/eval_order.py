@@ -3,7 +3,8 @@
 `ZOConfig`'s default `train_sampling_strategy="group_by_length"` runs evaluation batches longest first
 (`hf_zo.training.LengthSortedSampler`) and puts the results back in the data set's order; `"random"` evaluates in the
 data set's order, as `Trainer` does. Both evaluate the same model on the same prompts (the review template of
-benchmarks/research/llm_learning_curve.py, batch 16) in one process, one after the other; the accuracy and loss must agree::
+benchmarks/research/llm_learning_curve.py, batch 16) in one process, one after the other; the accuracy and loss
+must agree::
 
     python -m benchmarks.research.eval_order
 """

@@ -13,7 +13,8 @@ In-context demonstrations (LM-BFF's, Gao et al. 2021) put one labelled example o
 
 For each candidate pair (the first, second, ... negative and positive training phrases of a length band, outside the
 held-out slice; both orders) this prints the embedded LLM's zero-shot accuracy on the held-out slice of
-`benchmarks/research/llm_learning_curve.py --heldout 400 --heldout_min_words 12`, the accuracy at the best threshold on the two
+`benchmarks/research/llm_learning_curve.py --heldout 400 --heldout_min_words 12`, the accuracy at the best threshold
+on the two
 label words' score difference (what correcting the words' bias alone reaches: ZO's first steps do that), and the
 prompt's added tokens, then writes them to `--output`::
 

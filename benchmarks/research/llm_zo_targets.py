@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=str(SST2_DIR), help="Folder with train.tsv.")
     parser.add_argument("--model", default=None, help="Model path (default: the embedded LLM).")
-    parser.add_argument("--template", default="review", help="A template of benchmarks/research/llm_learning_curve.py.")
+    parser.add_argument("--template", default="review", help="A template of research/llm_learning_curve.py.")
     parser.add_argument("--batches", type=int, default=12, help="Training batches whose gradients give S and N.")
     parser.add_argument("--samples", type=int, default=4, help="Gaussian directions per group for T.")
     parser.add_argument("--batch_size", type=int, default=16)
