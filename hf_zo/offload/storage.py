@@ -244,7 +244,7 @@ def _remove_folders(folders: list[str]) -> None:
     folders.clear()
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -256,20 +256,25 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+"""The torch dtype of each dtype name of a safetensors header."""
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """The JSON header of the safetensors file `path` and the offset at which its tensor data starts."""
+    with open(path, "rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(header_size)), 8 + header_size
 
 
 def _map_safetensors(path: str, names: Sequence[str], mode: str = "r+") -> list[torch.Tensor]:
     """Views of the tensors `names` of the safetensors file `path`, each backed by its own shared memory map
     (distinct storages, so `save_pretrained` does not mistake them for tied weights): writable with `mode="r+"`,
     read-only with `"r"`."""
-    with open(path, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_size))
-    base = 8 + header_size
+    header, base = read_safetensors_header(path)
     views = []
     for name in names:
         entry = header[name]
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
         start, stop = entry["data_offsets"]
         if stop == start:
             views.append(torch.empty(entry["shape"], dtype=dtype))

@@ -17,13 +17,13 @@ import hashlib
 import json
 import os
 import re
-import struct
 
 import huggingface_hub
 import torch
 from transformers.utils import logging
 
 from ..offload import MappedPages
+from ..offload.storage import SAFETENSORS_DTYPES, read_safetensors_header
 
 logger = logging.get_logger(__name__)
 
@@ -145,36 +145,17 @@ class BaseCheckpoint:
             stored = torch.load(path, map_location="cpu", mmap=True, weights_only=True)[key]
             return stored.shape == tensor.shape and torch.equal(stored.to(tensor), tensor)
         if path not in self._headers:
-            self._headers[path] = _safetensors_header(path)
+            self._headers[path] = read_safetensors_header(path)
         header, data_start = self._headers[path]
         entry = header[key]
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None or tuple(entry["shape"]) != tuple(tensor.shape):
             return False
         begin, end = entry["data_offsets"]
         return _file_range_equals(path, data_start + begin, end - begin, dtype, tensor)
 
 
-# The dtypes of safetensors' header that a trainable tensor can have; another one never matches.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-}
 _COMPARE_BYTES = 16 * 2**20
-
-
-def _safetensors_header(path: str) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and the offset where its tensor data starts."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        return json.loads(handle.read(length)), 8 + length
 
 
 def _file_range_equals(path: str, offset: int, nbytes: int, dtype: torch.dtype, tensor: torch.Tensor) -> bool:
@@ -233,5 +214,5 @@ def _local_file(name_or_path: str, filename: str, revision: str | None) -> str |
 
 def _keys(path: str) -> list[str]:
     if path.endswith(".safetensors"):
-        return [key for key in _safetensors_header(path)[0] if key != "__metadata__"]
+        return [key for key in read_safetensors_header(path)[0] if key != "__metadata__"]
     return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
