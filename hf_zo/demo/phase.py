@@ -13,7 +13,6 @@ Prints one JSON line: ``{"phase": ..., "peak_mib": ..., "setup_mib": ...}``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import subprocess
@@ -21,19 +20,11 @@ import sys
 
 import torch
 
+from ..heap import return_freed_memory
 from .memory import PeakMemory, resident_bytes
 
 PHASES = ("inference", "zo", "first_order")
 ZO_STEPS = 3
-
-
-def release_freed_memory() -> None:
-    """Return the memory the allocator keeps after frees to the operating system (glibc's `malloc_trim`)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: freed pages stay, for every phase alike
-        pass
 
 
 def peak_in_fresh_process(phase: str, batch_size: int, lora_rank: int, learning_rate: float, zo_eps: float) -> dict:
@@ -67,7 +58,8 @@ def measure(phase: str, batch_size: int, lora_rank: int, learning_rate: float, z
     elif phase == "first_order":
         optimizer = torch.optim.AdamW(trainable, lr=1e-4)
         model.train()
-    release_freed_memory()
+    gc.collect()
+    return_freed_memory()
     setup = resident_bytes()
     with PeakMemory() as memory:
         if phase == "inference":

@@ -10,13 +10,13 @@ Needs the `quant` extra: ``pip install "hf-zo[quant]"``.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import gc
 import importlib.util
-import sys
 
 import torch
+
+from ..heap import return_freed_memory
 
 __all__ = [
     "QUANTIZATION_INSTALL",
@@ -141,7 +141,7 @@ def release_loading_memory(model: torch.nn.Module) -> int:
     """
     if not is_quantized(model):
         return 0
-    _trim_heap()  # first, so that the copies below reuse the freed heap instead of adding to the peak
+    return_freed_memory()  # first, so that the copies below reuse the freed heap instead of adding to the peak
     copied = 0
     with torch.no_grad():
         for module in model.modules():
@@ -155,17 +155,8 @@ def release_loading_memory(model: torch.nn.Module) -> int:
                         table[name] = tensor.clone()
                     copied += 1
     gc.collect()
-    _trim_heap()
+    return_freed_memory()
     return copied
-
-
-def _trim_heap() -> None:
-    """Return the allocator's free memory to the system (glibc's `malloc_trim`; nothing elsewhere)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # another C library: the heap stays as it is
-            pass
 
 
 def _require(package: str) -> None:

@@ -9,14 +9,13 @@ writes back the tensors that changed and returns the block to storage. The dual 
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
+from ..heap import return_freed_memory
 from .pages import MappedPages
 from .storage import BlockStorage, build_storage
 from .transport import CudaTransport, ThreadTransport
@@ -81,7 +80,7 @@ class BlockOffloader:
         source_pages = MappedPages(private=True)
         for b, block in enumerate(self.blocks):
             self._offload_block(b, block, offload_dtype, source_pages)
-        _return_freed_memory()
+        return_freed_memory()
         self._hooks = [h for b, block in enumerate(self.blocks) for h in self._hook_block(b, block)]
 
     # ------------------------------------------------------------------ set-up
@@ -259,13 +258,3 @@ def _dtype_change_message(block: str, dtype: torch.dtype, converted: torch.dtype
         "zo_offload=None. Modules visited before the first block may already have been converted: reload the model "
         "before using it further."
     )
-
-
-def _return_freed_memory() -> None:
-    """Hand the blocks' freed host memory back to the OS (glibc keeps small freed chunks otherwise)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        logger.debug("malloc_trim is unavailable; freed block memory stays with the allocator.")
