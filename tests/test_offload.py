@@ -442,6 +442,25 @@ def test_a_killed_runs_block_files_go_with_the_next_storage_in_the_folder(tmp_pa
     assert not os.path.exists(live_folder)  # the live storage removed its own on exit
 
 
+def test_storages_created_at_once_in_one_folder_never_remove_each_other(tmp_path):
+    """The ranks of a run start their storages in one zo_offload_dir at the same moment: each one's clean-up of
+    killed runs' folders must never take a live storage's folder (or its lock) for abandoned."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from hf_zo.offload import DiskStorage
+        for _ in range(40):
+            storage = DiskStorage({str(tmp_path)!r})
+            storage.store_block(0, [("weight", torch.ones(4))])
+            storage.close()
+        """
+    )
+    processes = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE) for _ in range(4)]
+    errors = [process.communicate(timeout=300)[1].decode() for process in processes]
+    assert [process.returncode for process in processes] == [0] * 4, "\n".join(errors)[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_disk_offload_runs_trajectory_replays_from_the_written_base_to_its_weights(tmp_path):
     """Trained from a base folder with the disk tier, saved shard by shard from the block files: replaying the
     trajectory onto that base folder gives every saved tensor (the replay checks the end checksum too)."""

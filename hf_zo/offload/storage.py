@@ -149,14 +149,17 @@ class DiskStorage(BlockStorage):
         self.paths: list[str] = []
         self._names: dict[int, list[str]] = {}
         # Held for the storage's life: the kernel releases it when the process ends, however it ends, which is how
-        # a later storage tells a killed run's folder from a live one.
-        lock_path = os.path.join(self.directory, self.LOCK_NAME)
-        self._lock = open(lock_path, "w")
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # a later storage tells a killed run's folder from a live one. The file takes its name only once locked, so
+        # another storage cleaning `root` never finds it unlocked while its owner lives.
+        unnamed_lock = os.path.join(self.directory, self.LOCK_NAME + ".new")
+        self._lock = open(unnamed_lock, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._lock_path = os.path.join(self.directory, self.LOCK_NAME)
+        os.rename(unnamed_lock, self._lock_path)
         # Mapped files stay readable after unlinking, so the files and the folders the storage created can go when
         # the storage does, or at the latest when the process exits: a user's zo_offload_dir keeps none of them.
         self._folders = [self.directory, *created]
-        weakref.finalize(self, _remove, self.paths, self._folders, self._lock)
+        weakref.finalize(self, _remove, self.paths, self._folders, self._lock, self._lock_path)
         _remove_abandoned(root, keep=self.directory)
 
     def store_block(self, block, named_tensors):
@@ -190,15 +193,15 @@ class DiskStorage(BlockStorage):
         return _map_safetensors(path, self._names[block], mode="r")
 
     def close(self) -> None:
-        _remove(self.paths, self._folders, self._lock)
+        _remove(self.paths, self._folders, self._lock, self._lock_path)
 
 
-def _remove(paths: list[str], folders: list[str], lock=None) -> None:
-    """Delete the block files `paths` (and the `lock` file, closed), then each of `folders` (in order) that is empty,
-    and empty both lists."""
+def _remove(paths: list[str], folders: list[str], lock=None, lock_path: str | None = None) -> None:
+    """Delete the lock file `lock_path` (then close `lock`, its open file) and the block files `paths`, then each of
+    `folders` (in order) that is empty, and empty both lists."""
     if lock is not None and not lock.closed:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(lock.name)
+            os.remove(lock_path)
         lock.close()
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
