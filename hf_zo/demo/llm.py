@@ -15,10 +15,9 @@ import time
 
 import torch
 
-from . import DATA_DIR
+from .phase import PHASES, peak_in_fresh_process
+from .setup import LABEL_WORDS, TEMPLATE, demo_model, demo_task
 
-TEMPLATE = "{sentence} It was"
-LABEL_WORDS = (" terrible", " great")
 GENERATION_PROMPT = "The acting was wooden and the plot made no sense. It was"
 
 
@@ -30,43 +29,6 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 4) -> str:
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def demo_task(tokenizer):
-    """The prompt task and the demo's tokenized sentiment data (`train`, `test`)."""
-    from datasets import load_dataset
-
-    from hf_zo.prompts import PromptClassification
-
-    task = PromptClassification(tokenizer, TEMPLATE, LABEL_WORDS)
-    files = {"train": str(DATA_DIR / "sentiment_train.jsonl"), "test": str(DATA_DIR / "sentiment_test.jsonl")}
-    return task, task.tokenize(load_dataset("json", data_files=files))
-
-
-def demo_model(lora_rank: int):
-    """The embedded LLM in fp32 with LoRA (rank `lora_rank`) on q_proj and v_proj."""
-    from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from hf_zo.models import embedded_llm_path
-    from hf_zo.peft_warnings import peft_warnings_ignored
-
-    model = AutoModelForCausalLM.from_pretrained(embedded_llm_path(), dtype=torch.float32)
-    lora = LoraConfig(
-        task_type=TaskType.CAUSAL_LM, r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "v_proj"]
-    )
-    with peft_warnings_ignored():
-        return get_peft_model(model, lora)
-
-
-def demo_batch(batch_size: int):
-    """The prompt task and the first `batch_size` training rows: the batch the memory phases measure."""
-    from transformers import AutoTokenizer
-
-    from hf_zo.models import embedded_llm_path
-
-    task, data = demo_task(AutoTokenizer.from_pretrained(embedded_llm_path()))
-    return task, [data["train"][i] for i in range(batch_size)]
-
-
 def run(demo) -> dict:
     """Run the LLM demo with `demo`'s options (`DemoArguments`) and return its summary."""
     from transformers import AutoTokenizer, set_seed
@@ -74,8 +36,6 @@ def run(demo) -> dict:
     from hf_zo import ZOConfig, ZOTrainer
     from hf_zo.metrics import build_compute_metrics
     from hf_zo.models import EMBEDDED_LLM_ID, embedded_llm_path
-
-    from .phase import PHASES, peak_in_fresh_process
 
     set_seed(demo.seed)
     torch.set_num_threads(min(2, torch.get_num_threads()))

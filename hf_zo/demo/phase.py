@@ -22,6 +22,7 @@ import torch
 
 from ..heap import return_freed_memory
 from .memory import PeakMemory, resident_bytes
+from .setup import demo_batch, demo_model
 
 PHASES = ("inference", "zo", "first_order")
 ZO_STEPS = 3
@@ -39,8 +40,6 @@ def peak_in_fresh_process(phase: str, batch_size: int, lora_rank: int, learning_
 
 def measure(phase: str, batch_size: int, lora_rank: int, learning_rate: float, zo_eps: float) -> dict:
     """Set up the demo's model and batch, release what the set-up freed, and run `phase` under a `PeakMemory`."""
-    from .llm import demo_batch, demo_model
-
     torch.manual_seed(0)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = demo_model(lora_rank)
