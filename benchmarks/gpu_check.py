@@ -13,6 +13,9 @@ part that fails or hangs does not stop the others:
 - `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark;
 - `quantized`: `quantized_step.py`: ZO LoRA steps on a bitsandbytes 4-bit base (bitsandbytes' CUDA kernels), peak GPU
   memory against 4-bit inference on the same batch (skipped without bitsandbytes, which the carried wheels lack);
+- `fsdp2`: `fsdp2.py gpu --steps 2`: examples/train.py on the embedded LLM sharded with FSDP2 over every GPU (NCCL)
+  against one GPU with as much gradient accumulation: the layout line, whether weights and losses agree bitwise, the
+  seconds of each run (skipped with fewer than two GPUs, so on a one-GPU machine it costs seconds);
 - `big_model` (last, so that it cannot take time from the others): `big_model.py --device cuda --steps 2` on random
   Llama checkpoints drawn on the GPU and written to `$HF_ZO_HOME/big_model` (on the machine's disk; kept, so a
   second run on the same machine skips the build): the 7B shape's `bf16` mode, every weight trained resident in bf16
@@ -32,6 +35,7 @@ code is 1 when a part failed.
     bash benchmarks/gpu_check.sh --dry-run     # CUDA hidden: every part starts, finds no CUDA and skips
     bash benchmarks/gpu_check.sh --parts tests offload   # rerun some parts
     bash benchmarks/gpu_check.sh --parts environment tests step_cost offload accuracy quantized  # under 8.5 min
+    bash benchmarks/gpu_check.sh --parts fsdp2   # the FSDP2 part alone, on a machine with 2 or more GPUs
     bash benchmarks/gpu_check.sh --prepare     # here, with registries: fill .gpu_check/ to carry
 """
 
@@ -53,7 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".gpu_check"
 """What `--prepare` fills and the device call carries: wheels and a half-precision MiniLM."""
 
-BIG_MODEL_LIMIT_S = 240
+FSDP2_LIMIT_S = 45
+"""The `fsdp2` part's time limit: two launches of examples/train.py on the embedded LLM (2 steps), or a skip."""
+BIG_MODEL_LIMIT_S = 190
 """The `big_model` part's time limit: both stages, their builds included."""
 BIG_MODEL_STAGES = (("7b", "bf16", 110), ("13b", "bf16-cpu-offload", None))
 """`(shape, mode, time limit)` of each stage, in order; `None`: what is left of the part's limit."""
@@ -81,9 +87,9 @@ def gpu_test_files() -> list[str]:
 
 
 def build_parts(python: str, out: Path) -> list[Part]:
-    """The parts in run order. Their limits add up to 680 s; with 5 s of grace each before a kill and the wrapper's
-    30 s for installing wheels, the whole run stays under 12.5 minutes. All but `big_model` (240 s, last) add up to
-    440 s, which with the same grace stays under 8.5 minutes."""
+    """The parts in run order. Their limits add up to 675 s; with 5 s of grace each before a kill and the wrapper's
+    30 s for installing wheels, the whole run stays under 12.5 minutes. All but `fsdp2` (45 s, which needs two GPUs)
+    and `big_model` (190 s, last) add up to 440 s, which with the same grace stays under 8.5 minutes."""
     accuracy = [python, "benchmarks/accuracy.py", "--device", "cuda", "--runs", "zo_lora_head", "--max_steps", "300"]
     if (CARRY / "minilm").is_dir():
         accuracy += ["--model", str(CARRY / "minilm")]
@@ -105,6 +111,7 @@ def build_parts(python: str, out: Path) -> list[Part]:
         Part("offload", 130, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
         Part("accuracy", 70, accuracy),
         Part("quantized", 35, [python, "benchmarks/quantized_step.py", "--steps", "3"]),
+        Part("fsdp2", FSDP2_LIMIT_S, [python, "benchmarks/fsdp2.py", "gpu", "--steps", "2"]),
         Part("big_model", BIG_MODEL_LIMIT_S, [python, "benchmarks/gpu_check.py", "--big-model", "--out", str(out)]),
     ]
 

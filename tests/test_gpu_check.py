@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["environment", "tests", "step_cost", "offload", "accuracy", "quantized", "big_model"]
+PARTS = ["environment", "tests", "step_cost", "offload", "accuracy", "quantized", "fsdp2", "big_model"]
 
 
 def _gpu_check_module():
@@ -39,6 +39,8 @@ def test_dry_run_starts_every_part_and_each_skips_cleanly(tmp_path):
     assert tests["tests_skipped"] >= 10 and tests["skipped"] == "needs a CUDA device"
     for part in ("step_cost", "offload", "accuracy", "quantized"):  # each script printed its own skip line
         assert [f["skipped"] for f in by_part[part]] == ["CUDA is not available"], part
+    (fsdp2,) = by_part["fsdp2"]  # benchmarks/fsdp2.py gpu started, counted no GPU and skipped
+    assert fsdp2["gpus"] == 0 and fsdp2["skipped"] == "needs 2 or more GPUs"
     # big_model.py started for each stage (7B resident, 13B offloaded) and skipped, building nothing
     stages = [(f["shape"], f["mode"], f["skipped"]) for f in by_part["big_model"]]
     assert stages == [("7b", "bf16", "CUDA is not available"), ("13b", "bf16-cpu-offload", "CUDA is not available")]
@@ -94,8 +96,9 @@ def test_time_limits_keep_the_promised_totals():
     limits = {p.name: p.limit_s for p in parts}
     grace, wheels = 5, 30
     assert sum(limits.values()) + grace * len(parts) + wheels <= 12.5 * 60
-    without = sum(limits.values()) - limits["big_model"]
-    assert without + grace * (len(parts) - 1) + wheels <= 8.5 * 60
+    # The quick subset leaves out big_model and fsdp2 (which needs two GPUs).
+    without = sum(limits.values()) - limits["big_model"] - limits["fsdp2"]
+    assert without + grace * (len(parts) - 2) + wheels <= 8.5 * 60
     stage_limits = [limit for _, _, limit in gpu_check.BIG_MODEL_STAGES if limit is not None]
     assert sum(stage_limits) + gpu_check.BIG_MODEL_MARGIN_S < gpu_check.BIG_MODEL_LIMIT_S == limits["big_model"]
 
