@@ -21,7 +21,12 @@ from safetensors.torch import load_file
 
 from hf_zo.optim import ZO_OPTIMIZERS
 from hf_zo.parallel import DistZOPlugin
-from hf_zo.parallel.fsdp import check_fsdp_layout, check_fsdp_version, fsdp_version_from_env
+from hf_zo.parallel.fsdp import (
+    check_fsdp_layout,
+    check_fsdp_state_dict_type,
+    check_fsdp_version,
+    fsdp_version_from_env,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "accelerate_configs" / "fsdp2_cpu_2_processes.yaml"
@@ -159,6 +164,31 @@ def test_fsdp_version_is_read_from_accelerate_launch(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version=1: hf_zo trains under FSDP2 only.*fsdp_version: 2"):
         DistZOPlugin()
+
+
+@pytest.mark.parametrize("value", ["SHARDED_STATE_DICT", "sharded_state_dict", "3", "LOCAL_STATE_DICT"])
+def test_a_sharded_state_dict_type_is_refused_when_the_trainer_is_built(monkeypatch, tmp_path, value):
+    # Checkpoints under FSDP2 hold the whole weights; Accelerate's sharded type would be silently ignored otherwise.
+    from hf_zo import ZOConfig, ZOTrainer
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", value)
+    args = ZOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    expected = {"3": "SHARDED_STATE_DICT"}.get(value, value.upper())
+    message = (
+        f"fsdp_state_dict_type='{expected}' cannot combine with hf_zo's FSDP2.*fsdp_state_dict_type: FULL_STATE_DICT"
+    )
+    with pytest.raises(ValueError, match=message):
+        ZOTrainer(model=fsdp_worker.tiny_causal_lm("llama"), args=args, train_dataset=fsdp_worker.lm_dataset(4))
+    with pytest.raises(ValueError, match=message):
+        DistZOPlugin()
+    for accepted in ("FULL_STATE_DICT", "1"):
+        monkeypatch.setenv("FSDP_STATE_DICT_TYPE", accepted)
+        assert DistZOPlugin().fsdp_state_dict_type == "FULL_STATE_DICT"
+    monkeypatch.delenv("FSDP_STATE_DICT_TYPE")
+    assert DistZOPlugin().fsdp_state_dict_type is None  # unset: the whole weights are saved
+    check_fsdp_state_dict_type(None, "SHARDED_STATE_DICT")  # without FSDP the type means nothing
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ShardedForwards",
     "check_fsdp_layout",
+    "check_fsdp_state_dict_type",
     "check_fsdp_version",
+    "fsdp_state_dict_type_from_env",
     "fsdp_version_from_env",
     "load_saved_shards",
     "param_bytes",
@@ -70,6 +72,32 @@ def check_fsdp_version(version: int | None) -> None:
             "sweep by its own rows. Set fsdp_version: 2 in the accelerate config's fsdp_config (FSDP_VERSION=2), or "
             "launch without FSDP for ZO data parallelism."
         )
+
+
+STATE_DICT_TYPES = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}
+"""Accelerate's `FSDP_STATE_DICT_TYPE` may name a type by its `StateDictType` number."""
+
+
+def fsdp_state_dict_type_from_env() -> str | None:
+    """The FSDP state-dict type an `accelerate launch` asked for (`FSDP_STATE_DICT_TYPE`, which its config's
+    `fsdp_config.fsdp_state_dict_type` sets), upper-cased, or `None` when it names none."""
+    value = os.environ.get("FSDP_STATE_DICT_TYPE")
+    if value is None or value.strip() in ("", "None"):
+        return None
+    return STATE_DICT_TYPES.get(value.strip(), value.strip().upper())
+
+
+def check_fsdp_state_dict_type(fsdp_version: int | None, state_dict_type: str | None) -> None:
+    """Raise when FSDP2 is asked to save checkpoints with another state-dict type than `FULL_STATE_DICT` (`None`:
+    not asked, the whole weights are saved)."""
+    if fsdp_version != 2 or state_dict_type in (None, "FULL_STATE_DICT"):
+        return
+    raise ValueError(
+        f"fsdp_state_dict_type={state_dict_type!r} cannot combine with hf_zo's FSDP2: its checkpoints and save_model "
+        "hold the whole weights (an ordinary Hugging Face folder, which each process reads its rows of to resume), "
+        "never per-process shards. Set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config's fsdp_config "
+        "(FSDP_STATE_DICT_TYPE=FULL_STATE_DICT)."
+    )
 
 
 def check_fsdp_layout(

@@ -17,7 +17,15 @@ from ..optim import ZOExecution, ZOOptimizer
 from .collectives import CommStats, ScalarCollectives
 from .data import shard_by_dp_rank
 from .estimation import ParallelEstimation
-from .fsdp import check_fsdp_layout, check_fsdp_version, fsdp_version_from_env, param_bytes, shard_model
+from .fsdp import (
+    check_fsdp_layout,
+    check_fsdp_state_dict_type,
+    check_fsdp_version,
+    fsdp_state_dict_type_from_env,
+    fsdp_version_from_env,
+    param_bytes,
+    shard_model,
+)
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
 from .replicas import sync_replicas
 from .sliced import SlicedTransport, build_slice_group
@@ -83,6 +91,10 @@ class DistZOPlugin:
             process holds, perturbs and updates only its shards, and the processes run as ZO data parallelism
             does. Environment: Accelerate's own (`ACCELERATE_USE_FSDP` and `FSDP_VERSION`, set by `accelerate
             launch` from a config with `distributed_type: FSDP` and `fsdp_version: 2`); default `None` (replicas).
+        fsdp_state_dict_type (`str`, *optional*):
+            What checkpoints hold under FSDP2: only `"FULL_STATE_DICT"` (the whole weights, an ordinary Hugging Face
+            folder; also what `None` saves) is supported, another type is refused. Environment: Accelerate's
+            `FSDP_STATE_DICT_TYPE` (the config's `fsdp_config.fsdp_state_dict_type`).
 
     Attributes:
         mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
@@ -105,6 +117,7 @@ class DistZOPlugin:
     offload_dtype: str | None = None
     sliced_upload: bool | None = None
     fsdp_version: int | None = None
+    fsdp_state_dict_type: str | None = None
     mesh: ZOMesh | None = field(default=None, init=False, repr=False)
     collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
     replica_collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
@@ -134,6 +147,9 @@ class DistZOPlugin:
         if self.fsdp_version is None:
             self.fsdp_version = fsdp_version_from_env()
         check_fsdp_version(self.fsdp_version)
+        if self.fsdp_state_dict_type is None:
+            self.fsdp_state_dict_type = fsdp_state_dict_type_from_env()
+        check_fsdp_state_dict_type(self.fsdp_version, self.fsdp_state_dict_type)
         check_fsdp_layout(self.fsdp_version, self.offload, self.perturbation_parallel_size)
 
     @classmethod
