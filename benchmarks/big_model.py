@@ -18,7 +18,11 @@ token batches (`--batch_size` x `--seq_len`, labels = inputs). `--mode` picks wh
   memory trains (`gpu_check.py`'s `big_model` part: the 13B shape); on the CPU the blocks are used in place.
 - `4bit-lora`: the bf16 folder loaded as a bitsandbytes NF4 base (compute dtype `--bnb_compute_dtype`, float32 by
   default: on CPUs without bf16 matrix units fp32 matrix products are the faster), LoRA r=8 on `q_proj`, `v_proj`,
-  ZO on the adapter.
+  ZO on the adapter. On a GPU, between the load and the training, one forward with labels under
+  `torch.inference_mode()` on random tokens of the training batch's shape: `inference_peak_gpu_mib` is
+  `torch.cuda.max_memory_allocated` over it (reset before; weights included), what 4-bit inference takes, and
+  `peak_gpu/inference_peak_gpu` the ratio of `peak_gpu_mib` (the load's and the training's peak) to it. Without
+  bitsandbytes the mode prints a line with a `skipped` reason.
 - `train-py`: the user's command line instead of this script's trainer: docs/offload.md's disk tier through
   `examples/train.py` (`--zo_engine dual --zo_offload disk`, full fine-tuning, causal LM on a JSON-lines text file
   the mode writes, `--eval_strategy steps` on a small validation file, the model saved at the end) on the fp32 folder
@@ -88,6 +92,7 @@ With an offload tier, two more parts come from copies of `--probe_mib` between p
     python benchmarks/big_model.py --mode 4bit-lora --steps 3
     python benchmarks/big_model.py --device cuda --mode bf16 --steps 2    # a GPU: 7B resident (13.5 GB)
     python benchmarks/big_model.py --device cuda --shape 13b --mode bf16-cpu-offload --steps 2  # 13B offloaded
+    python benchmarks/big_model.py --device cuda --shape small --mode 4bit-lora --steps 3  # against 4-bit inference
     python benchmarks/big_model.py --mode bf16 --build_only     # write the checkpoint only (13.5 GB; fp32: 27 GB)
     python benchmarks/big_model.py --shape 1b --mode train-py --batch_size 2 --memory_limit_mib 3072  # as root
     python benchmarks/big_model.py --shape tiny --mode bf16 fp32-disk 4bit-lora --steps 2  # the tests' run
@@ -100,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import logging
 import math
@@ -126,7 +132,7 @@ MODES = {
 }
 """Each mode and the dtype of the checkpoint folder it loads."""
 
-PROBE_MIB = {"7b": 1024, "13b": 1024, "1b": 1024, "tiny": 32}
+PROBE_MIB = {"7b": 1024, "13b": 1024, "1b": 1024, "small": 256, "tiny": 32}
 """Default size of the bandwidth probes by shape."""
 
 SAMPLE_NUMEL = 1 << 25
@@ -417,6 +423,21 @@ def load_model(mode: str, folder: Path, compute_dtype: str):
     return get_peft_model(model, lora)
 
 
+def inference_peak_gpu(model, batch_size: int, seq_len: int, seed: int) -> int:
+    """`torch.cuda.max_memory_allocated` (reset before) over one forward of `model` with labels under
+    `torch.inference_mode()`, on `batch_size` x `seq_len` random tokens: inference's peak, weights included."""
+    vocab_size = model.config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    device = model.get_input_embeddings().weight.device
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        model(input_ids=tokens, labels=tokens)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
 def zo_config(mode: str, args, output_dir: str, folder: Path, device: str = "cpu"):
     """The `ZOConfig` of `mode`, from the command line's options, placing the model on `device`."""
     from hf_zo import ZOConfig
@@ -565,6 +586,11 @@ def run_mode(mode: str, args, device: str = "cpu") -> dict:
         start = time.perf_counter()
         model = load_model(mode, folder, args.bnb_compute_dtype)
         load_s = time.perf_counter() - start
+        inference_peak = None
+        if cuda and mode == "4bit-lora":
+            load_peak = torch.cuda.max_memory_allocated()
+            inference_peak = inference_peak_gpu(model, args.batch_size, args.seq_len, args.seed)
+            torch.cuda.reset_peak_memory_stats()  # peak_gpu_mib: the load's and the training's, not inference's
         config = model.config
         blocks = find_blocks(model)
         if mode == "fp32-disk":
@@ -600,11 +626,17 @@ def run_mode(mode: str, args, device: str = "cpu") -> dict:
     record["ratio_to_limit"] = record["s_per_step"] / record["limit_s_per_step"]
     record["device"] = device
     if cuda:
+        peak_gpu = torch.cuda.max_memory_allocated()
+        if inference_peak is not None:
+            peak_gpu = max(peak_gpu, load_peak)
         record.update(
-            peak_gpu_mib=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            peak_gpu_mib=round(peak_gpu / 2**20, 1),
             peak_gpu_reserved_mib=round(torch.cuda.max_memory_reserved() / 2**20, 1),
             gpu_memory_mib=round(torch.cuda.get_device_properties(0).total_memory / 2**20, 1),
         )
+    if inference_peak is not None:
+        record["inference_peak_gpu_mib"] = round(inference_peak / 2**20, 1)
+        record["peak_gpu/inference_peak_gpu"] = round(peak_gpu / inference_peak, 3)
     record.update(
         shape=args.shape,
         checkpoint_dtype=dtype,
@@ -1035,6 +1067,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "alone, or drop --memory_limit_mib."
         )
     for mode in args.mode:
+        if mode == "4bit-lora" and importlib.util.find_spec("bitsandbytes") is None:
+            reason = 'bitsandbytes is not installed (pip install "hf-zo[quant]")'
+            print(json.dumps({"mode": mode, "shape": args.shape, "skipped": reason}), flush=True)
+            continue
         record = run_train_py(args) if mode == "train-py" else run_mode(mode, args, device)
         print(json.dumps(record), flush=True)
         records.append(record)

@@ -11,7 +11,8 @@ part that fails or hangs does not stop the others:
 - `offload`: `offload.py --gpu-only`: the dual engine resident against `dual+cpu` (prefetch 1 and 0) and
   `dual+disk` on the same 1.3B model, ratios to resident;
 - `accuracy`: `accuracy.py --device cuda`: a 300-step ZO LoRA run (`zo_lora_head`) of the SST-2 benchmark;
-- `quantized`: `quantized_step.py`: ZO LoRA steps on a bitsandbytes 4-bit base (bitsandbytes' CUDA kernels), peak GPU
+- `quantized`: `big_model.py --device cuda --mode 4bit-lora` on its `small` shape (TinyLlama's widths, 8 layers),
+  compute in bf16, batch 16 x 256: ZO LoRA steps on a bitsandbytes 4-bit base (bitsandbytes' CUDA kernels), peak GPU
   memory against 4-bit inference on the same batch (skipped without bitsandbytes, which the carried wheels lack);
 - `fsdp2`: `fsdp2.py gpu --steps 2`: examples/train.py on the embedded LLM sharded with FSDP2 over every GPU (NCCL)
   against one GPU with as much gradient accumulation: the layout line, whether weights and losses agree bitwise, the
@@ -110,7 +111,12 @@ def build_parts(python: str, out: Path) -> list[Part]:
         ),
         Part("offload", 130, [python, "benchmarks/offload.py", "--gpu-only", "--steps", "3", "--warmup", "1"]),
         Part("accuracy", 70, accuracy),
-        Part("quantized", 35, [python, "benchmarks/quantized_step.py", "--steps", "3"]),
+        Part(
+            "quantized",
+            35,
+            [python, "benchmarks/big_model.py", "--device", "cuda", "--shape", "small", "--mode", "4bit-lora"]
+            + ["--bnb_compute_dtype", "bfloat16", "--batch_size", "16", "--seq_len", "256", "--steps", "3"],
+        ),
         Part("fsdp2", FSDP2_LIMIT_S, [python, "benchmarks/fsdp2.py", "gpu", "--steps", "2"]),
         Part("big_model", BIG_MODEL_LIMIT_S, [python, "benchmarks/gpu_check.py", "--big-model", "--out", str(out)]),
     ]

@@ -48,11 +48,15 @@ SHAPES = {
     "13b": dict(
         num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40, vocab_size=32000
     ),
+    "small": dict(
+        num_hidden_layers=8, hidden_size=2048, intermediate_size=5632, num_attention_heads=32, vocab_size=32000
+    ),
     "tiny": dict(num_hidden_layers=2, hidden_size=128, intermediate_size=344, num_attention_heads=4, vocab_size=1024),
 }
 """Model shapes: Llama-2-7B's and Llama-2-13B's (`meta-llama/Llama-2-7b-hf`'s and `-13b-hf`'s configs),
 TinyLlama-1.1B's (`TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T`'s: 1.10B parameters, grouped-query attention
-with 4 key/value heads) and a tiny one for tests."""
+with 4 key/value heads), TinyLlama's widths with 8 of its 22 layers and full multi-head attention (0.54B parameters,
+1.1 GB in bf16: `gpu_check.py`'s 4-bit check) and a tiny one for tests."""
 
 DTYPES = ("bfloat16", "float32")
 SHARD_BYTES = 2 * 10**9

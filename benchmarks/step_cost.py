@@ -27,11 +27,25 @@ was built (libraries only), so it counts weights, activations and every temporar
 With `--device cuda` the model, the batch and every step run on the GPU, each timed step ends with
 `torch.cuda.synchronize()`, and peak memory is `torch.cuda.max_memory_allocated` (weights included) instead of the
 resident set size; without a CUDA device it prints one JSON line with a `skipped` reason and exits 0.
+
+With `--profile` it answers where a ZO step's time goes instead, in this process, on the CPU, for full fine-tuning
+of each `--sizes` shape with each `--noise` configuration (`distribution[:algorithm]`). Inside real training steps
+it times the loss closures (forward passes), the noise sweeps, and everything else (Trainer bookkeeping, data
+loading); then, outside training, one sweep over the model split into noise generation (chunks of noise written to
+memory, on the sweep's threads) and the in-place update. It prints one JSON line per shape and noise configuration,
+with the generation cost in ns per element; for the gaussian configurations after `gaussian:torch` also
+`generation_speedup_vs_torch`, how many times faster than the `torch` algorithm (PyTorch's `normal_`, on the same
+threads) the configuration generates. A first line compares `torch.Tensor.normal_` with the compiled kernel, on one
+thread and on all of torch's threads (see `generation_speed`).
+
+    python benchmarks/step_cost.py --profile --sizes opt-125m --steps 5   # gaussian with both algorithms, table
+    python benchmarks/step_cost.py --profile --sizes small --steps 5 --noise gaussian:philox
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -360,6 +374,198 @@ def print_table(results: list[dict]) -> None:
         print(" | ".join(str(r[c]).ljust(w) for c, w in zip(columns, widths)))
 
 
+# ---------------------------------------------------------------------------------------------------- --profile
+
+
+class Stopwatch:
+    """The total seconds spent inside the functions it wraps, over all their calls (`seconds`, settable)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, function):
+        """`function`, its time added to `seconds` on every call."""
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def time_step_parts(model, dataset, distribution: str, algorithm: str, steps: int, warmup: int, batch: int) -> dict:
+    """Seconds of `steps` ZO steps through `ZOTrainer` on the CPU (after `warmup` more): in all (`steps`), inside the
+    loss closures (`forwards`, the forward passes) and inside `Noise.apply_` (`sweeps`); the rest is Trainer
+    bookkeeping and data loading."""
+    from unittest import mock
+
+    from transformers import TrainerCallback
+
+    from hf_zo import ZOConfig, ZOTrainer
+    from hf_zo.noise import Noise
+
+    forwards, sweeps = Stopwatch(), Stopwatch()
+
+    class ResetAfterWarmup(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == warmup:
+                forwards.seconds = sweeps.seconds = 0.0
+
+    args = ZOConfig(
+        output_dir="/tmp/hf_zo_profile",
+        max_steps=steps + warmup,
+        per_device_train_batch_size=batch,
+        learning_rate=1e-6,
+        zo_noise=distribution,
+        zo_noise_algorithm=algorithm,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        logging_steps=10_000,
+    )
+    timer = StepTimer()
+    with (
+        mock.patch.object(Noise, "apply_", sweeps.wrap(Noise.apply_)),
+        mock.patch.object(ZOTrainer, "compute_loss", forwards.wrap(ZOTrainer.compute_loss)),
+    ):
+        callbacks = [timer.callback, ResetAfterWarmup()]
+        ZOTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks).train()
+    return {"steps": sum(timer.durations[warmup:]), "forwards": forwards.seconds, "sweeps": sweeps.seconds}
+
+
+def time_one_sweep(params: list, sampler) -> dict:
+    """Median seconds (of 3, after a warm-up that also builds `table` noise's table) of one pass of `sampler` over
+    `params` (`(index, tensor)` pairs): generating the noise only (`generate`), generating it and adding it
+    (`generate_and_add`), and the sweep training runs (`sweep`: for `philox` on the CPU, the compiled kernel's fused
+    sweep, z never stored)."""
+    from hf_zo.noise import NoiseUpdate
+
+    def generate_only(position, start, chunk, scratch):
+        sampler.chunk(scratch[0][: chunk.numel()], 1, params[position][0], start)
+
+    def generate_and_add(position, start, chunk, scratch):
+        chunk.add_(sampler.chunk(scratch[0][: chunk.numel()], 1, params[position][0], start), alpha=0.0)
+
+    passes = {
+        "generate": lambda: sampler.map_chunks(params, generate_only),
+        "generate_and_add": lambda: sampler.map_chunks(params, generate_and_add),
+        "sweep": lambda: sampler.apply_(params, [NoiseUpdate(terms={1: 1e-9})] * len(params)),
+    }
+    seconds = {}
+    for name, run in passes.items():
+        run()
+        seconds[name] = statistics.median([time_call(run) for _ in range(3)])
+    return seconds
+
+
+def profile(shape: str, noise: str, steps: int, warmup: int, batch: int = 8, length: int = 64) -> dict:
+    """One line of the profile: where the time of full fine-tuning's ZO steps on a random OPT of `shape` goes with
+    `noise` (`distribution[:algorithm]`), and the cost of one sweep over the model, per element."""
+    import torch
+
+    from hf_zo.noise import Noise
+
+    distribution, _, algorithm = noise.partition(":")
+    algorithm = algorithm or "auto"
+    model = build_model(shape, lora=False)
+    dataset = make_dataset(SHAPES[shape]["vocab_size"], batch, length, steps + warmup)
+    seconds = time_step_parts(model, dataset, distribution, algorithm, steps, warmup, batch)
+    params = [(i, p.data) for i, p in enumerate(p for p in model.parameters() if p.requires_grad)]
+    numel = sum(p.numel() for _, p in params)
+    sampler = Noise(distribution, algorithm=algorithm)
+    sweep = time_one_sweep(params, sampler)
+    total, forwards, sweeps = seconds["steps"], seconds["forwards"], seconds["sweeps"]
+    forward = forwards / (2 * steps)
+    return {
+        "shape": shape,
+        "noise": f"{distribution}:{sampler.algorithm}" if distribution != "table" else distribution,
+        "trainable_params": numel,
+        "threads": torch.get_num_threads(),
+        "step_s": round(total / steps, 4),
+        "forward_s": round(forward, 4),
+        "step/forward": round(total / steps / forward, 3),
+        "share_forwards": round(forwards / total, 3),
+        "share_sweeps": round(sweeps / total, 3),
+        "share_other": round(1 - (forwards + sweeps) / total, 3),
+        "sweeps_per_step_s": round(sweeps / steps, 4),
+        "one_sweep_generation_s": round(sweep["generate"], 4),
+        "one_sweep_generation_and_update_s": round(sweep["generate_and_add"], 4),
+        "one_sweep_as_trained_s": round(sweep["sweep"], 4),
+        "noise_ns_per_element": round(sweep["generate"] / numel * 1e9, 3),
+        "sweep_ns_per_element": round(sweep["sweep"] / numel * 1e9, 3),
+    }
+
+
+def generation_speed(numel: int = 1 << 22, repeats: int = 25) -> dict:
+    """ns per element of `torch.Tensor.normal_` and of the compiled kernel, on one thread and on all of torch's
+    threads (wall time).
+
+    On one thread the kernel's `fill` is timed, gaussian and rademacher (the latter is Philox alone: one sign bit per
+    word, no Box-Muller); on all threads its parallel sweep (`apply`, ``x <- x + 0.5 z``, what a ZO step runs), while
+    `normal_` is given the same threads (it uses one: its generator is sequential). The calls alternate, `repeats`
+    rounds of one call each, so that both sides see the same moments of a shared machine; each is reported as its
+    best round, and ``speedup`` is `normal_`'s best over the kernel's gaussian best.
+    """
+    import torch
+
+    from hf_zo.philox import load_kernel
+
+    kernel = load_kernel()
+    threads = torch.get_num_threads()
+    out, generator = torch.empty(numel), torch.Generator().manual_seed(0)
+
+    def paired_rounds(calls: dict) -> dict:
+        for call in calls.values():
+            call()
+        seconds = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+        return seconds
+
+    result = {}
+    try:
+        for num_threads in sorted({1, threads}):
+            torch.set_num_threads(num_threads)
+            calls = {"torch_normal": lambda: out.normal_(generator=generator)}
+            if kernel is not None and num_threads == 1:
+                calls["philox_gaussian"] = lambda: kernel.fill(out, 1, 0, 0, True)
+                calls["philox_rademacher"] = lambda: kernel.fill(out, 1, 0, 0, False)
+            elif kernel is not None:
+                calls["philox_gaussian"] = lambda: kernel.apply([out], [0], [1.0], [[1]], [[0.5]], True)
+            seconds = paired_rounds(calls)
+            best = {name: min(times) / numel * 1e9 for name, times in seconds.items()}
+            line = {f"{name}_ns_per_element": round(ns, 3) for name, ns in best.items()}
+            if kernel is not None:
+                line["speedup"] = round(best["torch_normal"] / best["philox_gaussian"], 2)
+            result[f"threads_{num_threads}"] = line
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    """`--profile`: the generation line (:func:`generation_speed`), then one line per shape and noise configuration,
+    the gaussian ones after `gaussian:torch` with `generation_speedup_vs_torch`."""
+    print(json.dumps(generation_speed()), flush=True)
+    for shape in args.sizes:
+        torch_ns = None
+        for noise in args.noise:
+            result = profile(shape, noise, args.steps, args.warmup, args.batch, args.length)
+            if result["noise"] == "gaussian:torch":
+                torch_ns = result["noise_ns_per_element"]
+            elif result["noise"].startswith("gaussian") and torch_ns:
+                result["generation_speedup_vs_torch"] = round(torch_ns / result["noise_ns_per_element"], 2)
+            print(json.dumps(result), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=sorted(SHAPES))
@@ -371,8 +577,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--plot", default=str(ROOT / "docs" / "images" / "step_cost.png"), help="'' for no plot")
+    parser.add_argument("--profile", action="store_true", help="where a step's time goes (full fine-tuning, CPU)")
+    parser.add_argument(
+        "--noise",
+        nargs="+",
+        default=["gaussian:torch", "gaussian:philox", "table"],
+        help="--profile: the noise configurations, distribution[:algorithm]",
+    )
     parser.add_argument("--single", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.profile:
+        if (args.device, args.dtype) != ("cpu", "float32"):
+            parser.error("--profile times float32 steps on the CPU: drop --device and --dtype")
+        run_profile(args)
+        return
 
     if args.single:
         shape, mode = args.single

@@ -114,6 +114,22 @@ def test_build_refuses_a_disk_without_room(tmp_path, monkeypatch):
     assert not (tmp_path / "tiny-float32").exists()
 
 
+def test_4bit_lora_without_bitsandbytes_prints_a_skipped_line(monkeypatch, capsys):
+    # gpu_check.py's `quantized` part relies on it: a GPU machine without bitsandbytes skips the part, exit code 0.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as `python benchmarks/big_model.py` does
+    spec = importlib.util.spec_from_file_location("big_model", SCRIPT)
+    big_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(big_model)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "bitsandbytes" else find_spec(name, *args)
+    )
+    assert big_model.main(["--shape", "tiny", "--mode", "4bit-lora", "--device", "cpu"]) == []
+    (line,) = capsys.readouterr().out.splitlines()
+    record = json.loads(line)
+    assert (record["mode"], record["shape"]) == ("4bit-lora", "tiny") and "bitsandbytes" in record["skipped"]
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     """The JSON lines of every mode that runs here, from one run of the script (2 steps on the tiny shape)."""
