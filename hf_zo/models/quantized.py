@@ -17,6 +17,7 @@ import importlib.util
 import torch
 
 from ..heap import return_freed_memory
+from ..pages import MappedPages
 
 __all__ = [
     "QUANTIZATION_INSTALL",
@@ -132,31 +133,26 @@ def release_loading_memory(model: torch.nn.Module) -> int:
     `from_pretrained` maps the full-precision checkpoint and quantizes each weight from it; the tensors left
     unquantized (embeddings, norms, the LM head) stay views of that mapping, which keeps every page read through it
     resident, the full-precision weights of the quantized layers included, and the allocator keeps the quantization's
-    temporaries. This copies the tensors still backed by the file into the process's own memory, so the mapping and
-    its pages go, and returns the freed heap to the system (glibc's `malloc_trim`). A model in full precision is left
-    as it is: its weights are the mapping.
+    temporaries. This returns the freed heap to the system (glibc's `malloc_trim`) and reclaims the pages of every
+    mapping the model's tensors still lie in (`MADV_PAGEOUT`, which keeps any page a write has changed): nothing is
+    copied, so nothing is added to the peak, and the unquantized weights' pages come back from the file as they are
+    read, as a full-precision model's do. A model in full precision is left as it is: its weights are the mapping.
 
     Returns:
-        `int`: the number of parameters and buffers copied out of the mapping.
+        `int`: the bytes of the file mappings released (0 where the model is not quantized or holds no mapping).
     """
     if not is_quantized(model):
         return 0
-    return_freed_memory()  # first, so that the copies below reuse the freed heap instead of adding to the peak
-    copied = 0
-    with torch.no_grad():
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for name, tensor in table.items():
-                    if tensor is None or tensor.device.type != "cpu" or tensor.untyped_storage().resizable():
-                        continue  # torch's own memory (a tied weight is copied once: then it is torch's)
-                    if isinstance(tensor, torch.nn.Parameter):
-                        tensor.data = tensor.data.clone()
-                    else:
-                        table[name] = tensor.clone()
-                    copied += 1
     gc.collect()
     return_freed_memory()
-    return copied
+    tensors = [
+        tensor
+        for module in model.modules()
+        for table in (module._parameters, module._buffers)
+        for tensor in table.values()
+        if tensor is not None
+    ]
+    return MappedPages(private=True).release_mappings(tensors)
 
 
 def _require(package: str) -> None:

@@ -4,11 +4,12 @@
 - `transport`: asynchronous copies (`CudaTransport` with streams and events; `ThreadTransport` for a CPU working
   device).
 - `schedule`: `BlockOffloader`, the prefetch / compute / write-back schedule shared by the transports.
-- `pages`: `MappedPages`, which hands the pages of memory-mapped tensors back once used, so that memory stays bounded
-  by the blocks in use.
+
+Memory stays bounded by the blocks in use because the pages of mapped blocks are handed back once used
+(`hf_zo.pages.MappedPages`, re-exported here).
 """
 
-from .pages import MappedPages
+from ..pages import MappedPages
 from .schedule import BlockOffloader, offload_blocks
 from .storage import OFFLOAD_TIERS, BlockStorage, CPUStorage, DiskStorage, build_storage
 from .transport import CudaTransport, ThreadTransport

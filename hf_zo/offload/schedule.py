@@ -16,7 +16,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..heap import return_freed_memory
-from .pages import MappedPages
+from ..pages import MappedPages
 from .storage import BlockStorage, build_storage
 from .transport import CudaTransport, ThreadTransport
 

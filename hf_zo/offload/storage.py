@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from transformers.utils import logging
 
-from .pages import release_mapped
+from ..pages import release_mapped
 
 logger = logging.get_logger(__name__)
 

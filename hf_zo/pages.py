@@ -99,16 +99,38 @@ class MappedPages:
         if not self._mappings:
             return
         for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
-            if tensor.device.type != "cpu" or tensor.untyped_storage().resizable():
-                continue  # torch's own allocations are anonymous memory
-            shared = self._shared(tensor.untyped_storage().data_ptr())
-            if shared or (shared is not None and self.private):
-                release_mapped(tensor, shared)
+            mapping = self._mapping(tensor)
+            if mapping is not None and (mapping[2] or self.private):
+                release_mapped(tensor, mapping[2])
 
-    def _shared(self, address: int) -> bool | None:
-        for start, stop, shared in self._mappings:
-            if start <= address < stop:
-                return shared
+    def release_mappings(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Take every page of the file mappings that hold `tensors` out of the resident set (private mappings only
+        when `private`), not only the tensors' own pages.
+
+        After `from_pretrained` has quantized a checkpoint it mapped, the mapping's pages of the weights it quantized
+        belong to no tensor, yet stay resident for as long as the weights left unquantized (views of the same
+        mapping) keep it alive; releasing the whole mapping hands them back, and the unquantized weights' pages come
+        back from the file when next read.
+
+        Returns:
+            `int`: the bytes of the mappings released.
+        """
+        released = 0
+        for start, stop, shared in {self._mapping(tensor) for tensor in tensors} - {None}:
+            if shared or self.private:
+                _advise(start, stop, _MADV_DONTNEED if shared else _MADV_PAGEOUT)
+                released += stop - start
+        return released
+
+    def _mapping(self, tensor: torch.Tensor) -> tuple[int, int, bool] | None:
+        """The file mapping `(start, stop, shared)` that holds `tensor`'s storage; `None` for a tensor on another
+        device or in anonymous memory (torch's own allocations)."""
+        if tensor.device.type != "cpu" or tensor.untyped_storage().resizable():
+            return None
+        address = tensor.untyped_storage().data_ptr()
+        for mapping in self._mappings:
+            if mapping[0] <= address < mapping[1]:
+                return mapping
         return None
 
 
