@@ -3,7 +3,7 @@ process, one thread, for the single-process reference).
 
 Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR``. Each rank trains tiny models with `ZOTrainer`, saves them
 with `save_model`, and writes ``OUT_DIR/rank{rank}.pt``: per run, the whole trainable parameters after training
-(gathered from the shards), the logged loss of every step and the tensors of the saved folder (rank 0).
+(gathered from the shards), the logged loss of every step, and the tensors and trajectory of the saved folder (rank 0).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_zo import ZOConfig, ZOTrainer  # noqa: E402
+from hf_zo.trajectory import TRAJECTORY_NAME  # noqa: E402
 
 from tiny_models import classification_dataset, lm_dataset, tiny_bert_classifier, tiny_causal_lm  # noqa: E402
 
@@ -62,13 +63,14 @@ def train(
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     params = trainable_parameters(model)
-    saved = {}
+    saved, trajectory = {}, None
     if trainer.args.should_save:
         for file in ("model.safetensors", "adapter_model.safetensors"):
             if (out / name / file).exists():
                 saved = load_file(str(out / name / file))
+        trajectory = (out / name / TRAJECTORY_NAME).read_bytes()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"params": params, "losses": losses, "saved": saved}
+    return {"params": params, "losses": losses, "saved": saved, "trajectory": trajectory}
 
 
 def run_scenario(scenario: str, out: Path) -> dict:

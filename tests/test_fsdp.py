@@ -98,6 +98,27 @@ def test_fsdp2_resumes_from_its_checkpoint_bitwise(fsdp2, reference, run):
     _assert_bitwise_equal(fsdp2[0][f"{run}_resumed"]["saved"], reference[run]["saved"])
 
 
+BASES = {
+    "llama_lora": lambda: fsdp_worker.tiny_causal_lm("llama"),  # the bare base: replay adds the recorded adapter
+    "bert": fsdp_worker.tiny_bert_classifier,
+    **{family: (lambda family=family: fsdp_worker.tiny_causal_lm(family)) for family in fsdp_worker.FAMILIES},
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("run", [*RUNS, "opt_resumed", "llama_lora_resumed"])
+def test_fsdp2_trajectory_replays_from_the_unsharded_base_to_the_saved_weights(fsdp2, reference, run):
+    # Every rank records the step records; the saving rank writes the trajectory, its checksums taken on the whole
+    # (gathered) weights. A resumed run continues checkpoint-2's trajectory, so it replays from the base too.
+    from hf_zo.trajectory import ZOTrajectory, replay
+
+    trajectory = ZOTrajectory.from_bytes(fsdp2[0][run]["trajectory"])
+    assert trajectory.first_step == 0 and len(trajectory) == fsdp_worker.STEPS
+    model = replay(BASES[run.removesuffix("_resumed")](), trajectory)  # verify: start and end checksums
+    replayed = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    _assert_bitwise_equal(replayed, reference[run.removesuffix("_resumed")]["params"])
+
+
 @pytest.mark.multiprocess
 def test_fsdp2_runs_move_their_weights(reference):
     # Guards the equalities above: three steps change every run's weights.
@@ -197,12 +218,30 @@ def test_a_sharded_state_dict_type_is_refused_when_the_trainer_is_built(monkeypa
         (dict(offload="disk"), "zo_offload='disk' cannot combine with FSDP2.*launch without FSDP and keep zo_offload"),
         (dict(pertp_size=2), "zo_perturbation_parallel_size=2 cannot combine with FSDP2.*=1"),
         (dict(engine="dual"), "zo_engine='dual' cannot combine with FSDP2.*zo_engine='sequential'"),
+        (dict(replicate_size=2), "parallelism_config_dp_replicate_size=2 cannot combine.*replicate_size: 1"),
     ],
 )
 def test_what_fsdp2_does_not_combine_with_is_refused(kwargs, message):
     check_fsdp_layout(None, **kwargs)  # without FSDP, all fine
     with pytest.raises(ValueError, match=message):
         check_fsdp_layout(2, **kwargs)
+
+
+def test_fsdp2_over_two_data_parallel_groups_is_refused_at_construction(monkeypatch):
+    # A launch config with parallelism_config_dp_replicate_size 2 (HSDP: two groups of sharded replicas, as the
+    # cpu_2x2 layout's two data-parallel groups) would otherwise be sharded over all processes without a word.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    with pytest.raises(ValueError, match="dp_replicate_size=2 cannot combine with hf_zo's FSDP2 yet.*(HSDP)"):
+        DistZOPlugin()
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")  # what accelerate launch sets by default
+    assert DistZOPlugin().fsdp_version == 2
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # without FSDP the parallelism config is not hf_zo's
+    assert DistZOPlugin().fsdp_version is None
 
 
 def test_the_plugin_refuses_fsdp2_with_offload_at_construction():

@@ -46,6 +46,7 @@ __all__ = [
     "check_fsdp_version",
     "fsdp_state_dict_type_from_env",
     "fsdp_version_from_env",
+    "hsdp_replicate_size_from_env",
     "load_saved_shards",
     "param_bytes",
     "shard_model",
@@ -100,14 +101,40 @@ def check_fsdp_state_dict_type(fsdp_version: int | None, state_dict_type: str | 
     )
 
 
+def hsdp_replicate_size_from_env() -> int:
+    """How many replicas of the sharded model an `accelerate launch` asked for (`PARALLELISM_CONFIG_DP_REPLICATE_SIZE`,
+    which its config's `parallelism_config.parallelism_config_dp_replicate_size` sets: FSDP2 over groups, HSDP); 1
+    when it asked for none."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() not in ("1", "true", "yes"):
+        return 1
+    value = os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE must be an integer, got {value!r}.") from None
+
+
 def check_fsdp_layout(
-    fsdp_version: int | None, offload: str | None = None, pertp_size: int = 1, engine: str | None = None
+    fsdp_version: int | None,
+    offload: str | None = None,
+    pertp_size: int = 1,
+    engine: str | None = None,
+    replicate_size: int = 1,
 ) -> None:
     """Raise when FSDP2 (`fsdp_version` 2) is asked for with what it does not combine with yet, naming the
-    alternative: offloaded blocks (`offload`), perturbation parallelism (`pertp_size` > 1) or the dual engine
-    (`engine`, `zo_engine`; `None` when not known yet)."""
+    alternative: offloaded blocks (`offload`), perturbation parallelism (`pertp_size` > 1), the dual engine
+    (`engine`, `zo_engine`; `None` when not known yet) or several groups of sharded replicas (`replicate_size` > 1,
+    HSDP)."""
     if fsdp_version != 2:
         return
+    if replicate_size > 1:
+        raise ValueError(
+            f"parallelism_config_dp_replicate_size={replicate_size} cannot combine with hf_zo's FSDP2 yet: ZO data "
+            "parallelism over groups of sharded replicas (HSDP) is not built. Shard over all processes instead "
+            "(parallelism_config_dp_replicate_size: 1, or no parallelism_config): FSDP2 on N processes already runs "
+            "each process's own micro-batches as ZO data parallelism does, the steps of one process with gradient "
+            "accumulation N. Or launch without FSDP for ZO data parallelism over whole replicas (cpu_2x2.yaml)."
+        )
     if offload is not None:
         raise ValueError(
             f"zo_offload={offload!r} cannot combine with FSDP2: offload streams whole blocks from each process's "

@@ -23,6 +23,7 @@ from .fsdp import (
     check_fsdp_version,
     fsdp_state_dict_type_from_env,
     fsdp_version_from_env,
+    hsdp_replicate_size_from_env,
     param_bytes,
     shard_model,
 )
@@ -150,7 +151,10 @@ class DistZOPlugin:
         if self.fsdp_state_dict_type is None:
             self.fsdp_state_dict_type = fsdp_state_dict_type_from_env()
         check_fsdp_state_dict_type(self.fsdp_version, self.fsdp_state_dict_type)
-        check_fsdp_layout(self.fsdp_version, self.offload, self.perturbation_parallel_size)
+        replicate_size = hsdp_replicate_size_from_env() if self.fsdp_version == 2 else 1
+        check_fsdp_layout(
+            self.fsdp_version, self.offload, self.perturbation_parallel_size, replicate_size=replicate_size
+        )
 
     @classmethod
     def from_zo_config(cls, args) -> DistZOPlugin:

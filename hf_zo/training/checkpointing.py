@@ -320,8 +320,8 @@ class ZOCheckpointingMixin:
             shutil.rmtree(output_dir, ignore_errors=True)
         # Trainer's push waits until the files are in `target`: from inside it would upload the temporary folder.
         super().save_model(output_dir, _internal_call=True)
+        self.zo_trajectory_callback.save(output_dir, self.model, write=self.args.should_save)
         if self.args.should_save:
-            self.zo_trajectory_callback.save(output_dir, self.model)
             if output_dir != target:
                 replace_files_atomically(output_dir, target)
         if self.args.push_to_hub and not _internal_call:

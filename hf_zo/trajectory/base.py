@@ -20,6 +20,7 @@ import re
 
 import huggingface_hub
 import torch
+from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
 from ..offload import MappedPages
@@ -36,6 +37,13 @@ _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # A plain model's tensors missing from its checkpoint are a head or a few renamed norms; more than this means its
 # checkpoint names its tensors in a way not mapped here, and storing them would copy the model into each trajectory.
 MAX_PLAIN_INITIAL_BYTES = 64 * 2**20
+
+
+@torch.no_grad()
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of `tensor`: a `DTensor` (an FSDP2 parameter) gathered from the shards of every process, which
+    is a collective (every process calls it, for the same tensors in the same order); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> list[str]:
@@ -60,7 +68,8 @@ def initial_tensors_not_in_base(model: torch.nn.Module, names: list[str]) -> lis
     for name in names:
         if not checkpoint.holds(named[name]):
             missing.append(name)
-        pages.release(named[name])  # an offloaded tensor's pages, once read (the disk tier)
+        if not isinstance(named[name], DTensor):
+            pages.release(named[name])  # an offloaded tensor's pages, once read (the disk tier)
     size = sum(named[n].numel() * named[n].element_size() for n in missing)
     if not hasattr(model, "peft_config") and size > MAX_PLAIN_INITIAL_BYTES:
         logger.warning(
@@ -95,7 +104,7 @@ def frozen_fingerprint(model: torch.nn.Module) -> dict | None:
             continue
         if dtype is not None and parameter.dtype != dtype:
             continue
-        flat = parameter.detach().reshape(-1)
+        flat = whole(parameter.detach()).reshape(-1)
         sample = flat[:: max(1, flat.numel() // 64)].cpu().contiguous()
         digest.update(name.encode() + b":" + sample.view(torch.uint8).numpy().tobytes())
         count += 1
@@ -135,12 +144,13 @@ class BaseCheckpoint:
         return next((key for key in candidates if key in self._shards), None)
 
     def holds(self, parameter: torch.Tensor) -> bool:
-        """Whether the checkpoint holds `parameter` with exactly its current value (compared in its dtype)."""
+        """Whether the checkpoint holds `parameter` with exactly its current value (compared in its dtype); an
+        FSDP2 parameter is gathered first (:func:`whole`, a collective)."""
         key = self.key(parameter)
         if key is None:
             return False
         path = self._shards[key]
-        tensor = parameter.detach()
+        tensor = whole(parameter.detach())
         if not path.endswith(".safetensors"):
             stored = torch.load(path, map_location="cpu", mmap=True, weights_only=True)[key]
             return stored.shape == tensor.shape and torch.equal(stored.to(tensor), tensor)

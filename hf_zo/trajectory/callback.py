@@ -30,6 +30,7 @@ class ZOTrajectoryCallback(TrainerCallback):
         self.trajectory: ZOTrajectory | None = None
         self.resume_from: str | None = None
         self._handle = None
+        self._sharded = False
 
     def continue_from(self, checkpoint: str | None) -> None:
         """Continue the trajectory saved in the checkpoint folder `checkpoint` when training begins (`None`: start
@@ -41,12 +42,9 @@ class ZOTrajectoryCallback(TrainerCallback):
             optimizer = getattr(optimizer, "optimizer", None)
         if optimizer is None or model is None:
             return
-        if optimizer.params.sharded:
-            logger.warning(
-                "The trajectory is not recorded under FSDP2 (its checksums need the whole weights, which no process "
-                "holds): the saved model is the run's result. Launch without FSDP to record a replayable trajectory."
-            )
-            return
+        # Under FSDP2 every process records the trajectory (the same records), so that each takes part in gathering
+        # the whole weights for its checksums.
+        self._sharded = optimizer.params.sharded
         if self._handle is not None:
             self._handle.remove()
         if self.trajectory is None or self.trajectory.next_step != optimizer.zo_step:
@@ -127,8 +125,15 @@ class ZOTrajectoryCallback(TrainerCallback):
             # Trainer reloaded the best checkpoint's weights: their trajectory is the one that checkpoint holds.
             self.trajectory = ZOTrajectory.load(Path(best) / TRAJECTORY_NAME)
 
-    def save(self, output_dir: str | os.PathLike, model: torch.nn.Module) -> Path | None:
-        """Write the trajectory, with the end checksum of `model` (flushed), into `output_dir`, if recording."""
-        if self.trajectory is None:
+    def save(self, output_dir: str | os.PathLike, model: torch.nn.Module, write: bool = True) -> Path | None:
+        """Write the trajectory, with the end checksum of `model` (flushed), into `output_dir`, if recording.
+
+        Call it on every process: under FSDP2 each takes part in gathering the weights for the checksum, and only
+        those with `write` (the saving process) write the file; without FSDP2 the others do nothing.
+        """
+        if self.trajectory is None or not (write or self._sharded):
+            return None
+        if not write:
+            self.trajectory.record_end(model)
             return None
         return self.trajectory.save(output_dir, model)

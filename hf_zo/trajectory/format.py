@@ -40,13 +40,14 @@ import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch.distributed.tensor import DTensor
 
 from ..estimator import ZORecord
 from ..models.quantized import quantization_config_from_record, quantization_record
 from ..noise import LEGACY_NOISE_ALGORITHM
 from ..offload import MappedPages
 from ..optim import ZO_OPTIMIZERS, ZOOptimizer
-from .base import frozen_fingerprint, initial_tensors_not_in_base
+from .base import frozen_fingerprint, initial_tensors_not_in_base, whole
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
 """File name of a trajectory inside a checkpoint or output folder."""
@@ -176,7 +177,7 @@ class ZOTrajectory:
                 }
             )
         trained_outside = [n for n, p in model.named_parameters() if p.requires_grad and n not in named]
-        initial = {n: named[n].detach().cpu().clone() for n in initial_tensors_not_in_base(model, list(named))}
+        initial = {n: whole(named[n].detach()).cpu().clone() for n in initial_tensors_not_in_base(model, list(named))}
         noise = optimizer.noise
         header = {
             "format": "hf-zo-trajectory",
@@ -390,14 +391,25 @@ class ZOTrajectory:
             path = path / TRAJECTORY_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         if model is not None:
-            end = checksum(trajectory_tensors(model, self.header))
-            self.header["checksums"]["end"] = dict(end, step=self.next_step)
-            named = dict(model.named_parameters())
-            self.final_tensors = {n: named[n].detach().cpu().clone() for n in self.header.get("trained_outside", [])}
+            self.record_end(model)
         partial = path.with_name(path.name + ".partial")
         partial.write_bytes(self.to_bytes())
         os.replace(partial, path)
         return path
+
+    def record_end(self, model: torch.nn.Module) -> None:
+        """Record the ``end`` checksum of `model`, the trained model holding its true (flushed) weights, and the end
+        values of the tensors trained outside the ZO optimizer (what :meth:`save` does when given the model).
+
+        An FSDP2-sharded model's tensors are gathered (:func:`~hf_zo.trajectory.base.whole`): every process calls
+        this, though only one writes the file.
+        """
+        end = checksum(trajectory_tensors(model, self.header))
+        self.header["checksums"]["end"] = dict(end, step=self.next_step)
+        named = dict(model.named_parameters())
+        self.final_tensors = {
+            n: whole(named[n].detach()).cpu().clone() for n in self.header.get("trained_outside", [])
+        }
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ZOTrajectory:
@@ -644,12 +656,14 @@ def _listed(names: list[str]) -> str:
 def checksum(tensors: dict[str, torch.Tensor]) -> dict:
     """SHA-256 of each tensor's bytes (first 16 hex digits) and of all of them, in the given order.
 
-    The pages of offloaded tensors (the disk tier) are handed back once read, so the checksum holds one tensor."""
+    The pages of offloaded tensors (the disk tier) are handed back once read, so the checksum holds one tensor. An
+    FSDP2 parameter is gathered first (:func:`~hf_zo.trajectory.base.whole`), so every process must take part."""
     digests, total, pages = {}, hashlib.sha256(), MappedPages()
     for name, tensor in tensors.items():
-        flat = tensor.detach().contiguous().view(-1).cpu()
+        flat = whole(tensor.detach()).contiguous().view(-1).cpu()
         digest = hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()[:16]
-        pages.release(tensor)
+        if not isinstance(tensor, DTensor):
+            pages.release(tensor)
         digests[name] = digest
         total.update(f"{name}:{digest}\n".encode())
     return {"sha256": total.hexdigest(), "parameters": digests}
