@@ -9,7 +9,9 @@ random tokens, once in one process and once sharded with FSDP2 over two processe
 parameter with the counter-based noise of its elements (the unsharded process the whole tensor, each FSDP2 process
 its own rows), so no process ever holds weights it does not keep and both runs start from the same weights. The
 peak is the process's high-water resident set (`ru_maxrss`), imports included. It prints one line per process and
-their ratio (the largest FSDP2 peak over the unsharded one).
+their ratio (the largest FSDP2 peak over the unsharded one). Both runs get glibc's `MALLOC_MMAP_THRESHOLD_`
+(`--malloc_mmap_threshold`, 1 MiB; 0 keeps glibc's own): with glibc's default the threshold climbs to 32 MiB, so the
+layers' gathered tensors below it come from the heap, whose freed holes stay resident (hundreds of MB at 22 layers).
 
 `gpu`: examples/train.py on the embedded LLM sharded over every GPU, launched with
 `examples/accelerate_configs/fsdp2_gpu_8.yaml` and `--num_processes` set to the GPU count, against one process on one
@@ -122,9 +124,12 @@ def memory_worker(steps: int, length: int, layers: int) -> None:
         plugin.destroy()
 
 
-def run_memory_lines(command: list[str]) -> list[dict]:
-    """Run `command` (one thread per process) and return the JSON lines it printed."""
+def run_memory_lines(command: list[str], mmap_threshold: int) -> list[dict]:
+    """Run `command` (one thread per process, glibc's mmap threshold at `mmap_threshold` bytes unless 0) and return
+    the JSON lines it printed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         sys.exit(result.stdout[-3000:] + result.stderr[-3000:])
@@ -138,14 +143,16 @@ def memory(args: argparse.Namespace) -> None:
         return
     script = [str(Path(__file__).resolve()), "memory", "--worker", "--steps", str(args.steps)]
     script += ["--length", str(args.length), "--layers", str(args.layers)]
-    (unsharded,) = run_memory_lines([sys.executable, *script])
+    threshold = args.malloc_mmap_threshold
+    (unsharded,) = run_memory_lines([sys.executable, *script], threshold)
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    sharded = run_memory_lines([accelerate, "launch", "--config_file", str(CPU_CONFIG), *script])
+    sharded = run_memory_lines([accelerate, "launch", "--config_file", str(CPU_CONFIG), *script], threshold)
     for line in (unsharded, *sharded):
         print(json.dumps(line))
     largest = max(line["peak_rss_bytes"] for line in sharded)
-    ratio = largest / unsharded["peak_rss_bytes"]
-    print(json.dumps(dict(benchmark="fsdp2_memory", mode="ratio", world=len(sharded), peak_rss_ratio=round(ratio, 3))))
+    ratio = round(largest / unsharded["peak_rss_bytes"], 3)
+    record = dict(benchmark="fsdp2_memory", mode="ratio", world=len(sharded), peak_rss_ratio=ratio)
+    print(json.dumps(dict(record, layers=args.layers, malloc_mmap_threshold=threshold or None)))
 
 
 # ---------------------------------------------------------------------------------------------------------- gpu
@@ -209,6 +216,12 @@ def main() -> None:
     on_cpu.add_argument("--steps", type=int, default=2)
     on_cpu.add_argument("--length", type=int, default=32, help="tokens per sequence (batch of one)")
     on_cpu.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="decoder layers (a quick run)")
+    on_cpu.add_argument(
+        "--malloc_mmap_threshold",
+        type=int,
+        default=2**20,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes; 0: glibc's own)",
+    )
     on_cpu.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     on_cpu.set_defaults(run=memory)
     on_gpus = commands.add_parser("gpu", help="FSDP2 over every GPU against one GPU with gradient accumulation")
