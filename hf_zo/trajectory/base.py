@@ -23,8 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
-from ..offload import MappedPages
 from ..offload.storage import SAFETENSORS_DTYPES, read_safetensors_header
+from ..pages import MappedPages
 
 logger = logging.get_logger(__name__)
 

@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor
 from ..estimator import ZORecord
 from ..models.quantized import quantization_config_from_record, quantization_record
 from ..noise import LEGACY_NOISE_ALGORITHM
-from ..offload import MappedPages
 from ..optim import ZO_OPTIMIZERS, ZOOptimizer
+from ..pages import MappedPages
 from .base import frozen_fingerprint, initial_tensors_not_in_base, whole
 
 TRAJECTORY_NAME = "zo_trajectory.bin"
