@@ -30,7 +30,7 @@ install: $(STAMP)
 # PYTHONDONTWRITEBYTECODE, each of them would compile torch's and transformers' sources again: here the first one
 # caches the bytecode and the others read it.
 test: install
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --durations=15
 
 # The dependency ranges of pyproject.toml, tested at both ends: a fast subset of the suite in a fresh virtualenv with
 # the lowest allowed transformers, peft, accelerate and trl (low) and with the highest (high: pip's newest in range).
