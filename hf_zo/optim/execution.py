@@ -16,14 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ..estimator import EstimateLosses, SPSAEstimator, ZORecord
-
-if TYPE_CHECKING:
-    from .base import ZOOptimizer
 
 Closure = Callable[[], torch.Tensor | float]
 
@@ -54,15 +51,18 @@ class Engine(Protocol):
 
 
 class ParallelLayout(Protocol):
-    """A multi-process layout: which estimates and forwards this process runs, and the records of a step."""
+    """A multi-process layout: which estimates and forwards this process runs, and the records of a step. Its methods
+    take the `ZOOptimizer` running the step (typed by its base class, since this module sits below it)."""
 
-    def check(self, optimizer: ZOOptimizer) -> None:
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if `optimizer` cannot run on this layout."""
 
-    def run_forwards(self, optimizer: ZOOptimizer, closure: Closure, micro_batch: int) -> list[EstimateLosses]:
+    def run_forwards(
+        self, optimizer: torch.optim.Optimizer, closure: Closure, micro_batch: int
+    ) -> list[EstimateLosses]:
         """The losses of this process's `micro_batch`-th micro-batch of the step (exchanged within its group)."""
 
-    def gather_records(self, optimizer: ZOOptimizer, records: list[ZORecord]) -> list[ZORecord]:
+    def gather_records(self, optimizer: torch.optim.Optimizer, records: list[ZORecord]) -> list[ZORecord]:
         """Every process's records of the step, in the order one process would hold them."""
 
 
