@@ -578,7 +578,7 @@ def main() -> None:
         results = read_results(options.merge)
         write(options, results, f"SmolLM2-135M-Instruct, {results[0]['evaluated_on']}, batch {results[0]['batch']}")
         return
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # the cores this process may use (`taskset`)
     options.model = options.model or embedded_llm_path()
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     train, evaluation, evaluated_on = load_data(options)
