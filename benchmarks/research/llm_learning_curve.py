@@ -403,7 +403,9 @@ def run(name: str, spec: dict, options, tokenizer, task, train, evaluation) -> d
     steps = trainer.state.global_step
     spec = {**spec, "learning_rate": trainer.args.learning_rate}  # the library's default where the variant left it
     if spec["method"] == "lora_prompt_default":
-        spec.update(zo_eps=trainer.args.zo_eps, lora_target_modules=sorted(lora_target_names(trainer.model)))
+        spec["lora_target_modules"] = sorted(lora_target_names(trainer.model))
+        if spec["trainer"] == "zo":
+            spec["zo_eps"] = trainer.args.zo_eps
         if spec.get("lora_layers") is None:
             spec["lora_layers"] = prompt_lora_layers(trainer.model)
     return {
