@@ -145,14 +145,7 @@ def release_loading_memory(model: torch.nn.Module) -> int:
         return 0
     gc.collect()
     return_freed_memory()
-    tensors = [
-        tensor
-        for module in model.modules()
-        for table in (module._parameters, module._buffers)
-        for tensor in table.values()
-        if tensor is not None
-    ]
-    return MappedPages(private=True).release_mappings(tensors)
+    return MappedPages(private=True).release_mappings([*model.parameters(), *model.buffers()])
 
 
 def _require(package: str) -> None:
