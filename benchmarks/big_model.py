@@ -414,11 +414,11 @@ def load_model(mode: str, folder: Path, compute_dtype: str):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     from peft import LoraConfig, get_peft_model
 
-    from hf_zo.models import base_quantization_config
+    from hf_zo.models import base_quantization_config, from_pretrained_quantized
 
     dtype = getattr(torch, compute_dtype)
     quantization = base_quantization_config(load_in_4bit=True, bnb_4bit_quant_type="nf4", compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=dtype)
+    model = from_pretrained_quantized(AutoModelForCausalLM, folder, quantization, dtype=dtype)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from datasets import load_dataset
+from transformers import AutoModelForCausalLM
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from hf_zo import ZOSFTConfig, ZOSFTTrainer
+from hf_zo.models import from_pretrained_quantized
 
 
 @dataclass
@@ -78,14 +81,20 @@ def main(script_args, training_args, model_args, file_args) -> ZOSFTTrainer:
         dtype=model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     )
-    # --load_in_4bit / --load_in_8bit: a bitsandbytes base, as TRL's sft.py loads it (with --use_peft: ZO trains the
-    # adapter, in float32, and never writes a quantized weight).
+    # --load_in_4bit / --load_in_8bit: a bitsandbytes base, with TRL's flags (with --use_peft: ZO trains the adapter,
+    # in float32, and never writes a quantized weight). It is loaded here rather than by the trainer so that the float
+    # checkpoint is read one tensor at a time (hf_zo.models.from_pretrained_quantized).
+    model = model_args.model_name_or_path
     quantization_config = get_quantization_config(model_args)
     if quantization_config is not None:
-        training_args.model_init_kwargs["quantization_config"] = quantization_config
+        init_kwargs = training_args.model_init_kwargs
+        if isinstance(init_kwargs.get("dtype"), str) and init_kwargs["dtype"] != "auto":
+            init_kwargs["dtype"] = getattr(torch, init_kwargs["dtype"])
+        model = from_pretrained_quantized(AutoModelForCausalLM, model, quantization_config, **init_kwargs)
+        training_args.model_init_kwargs = None
     train_dataset, eval_dataset = load_data(script_args, file_args)
     trainer = ZOSFTTrainer(
-        model=model_args.model_name_or_path,
+        model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,

@@ -65,7 +65,7 @@ from transformers.integrations import get_available_reporting_integrations
 
 from hf_zo import PooledEncoderConfig, ZOConfig, ZOTrainer, load_sequence_classifier
 from hf_zo.metrics import build_compute_metrics
-from hf_zo.models import base_quantization_config, norm_module_names
+from hf_zo.models import base_quantization_config, from_pretrained_quantized, norm_module_names
 from hf_zo.peft_warnings import ignore_peft_warnings
 from hf_zo.prompts import PROMPT_LOSSES, PROMPT_TASKS, PromptClassification, PromptTask
 from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
@@ -482,7 +482,8 @@ def load_model(model_args: ModelArguments, task_type: str, num_labels: int | Non
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+        # A base quantized on load reads its float checkpoint one tensor at a time (from_pretrained_quantized)
+        model = from_pretrained_quantized(AutoModelForCausalLM, model_args.model_name_or_path, **kwargs)
     if model_args.peft:
         from peft import get_peft_model
 

@@ -28,7 +28,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.utils import CONFIG_NAME, logging
 
-from .models import PooledEncoderConfig, PooledEncoderForSequenceClassification
+from .models import PooledEncoderConfig, PooledEncoderForSequenceClassification, from_pretrained_quantized
 from .peft_warnings import peft_warnings_ignored
 from .training.checkpointing import saved_run_files
 from .trajectory import TRAJECTORY_NAME, ZOTrajectory, replay
@@ -279,8 +279,8 @@ def _load_pretrained(
             dtype=dtype,
         )
     if quantization_config is not None:
-        return model_class.from_pretrained(
-            base, revision=revision, dtype=dtype, config=config, quantization_config=quantization_config
+        return from_pretrained_quantized(
+            model_class, base, quantization_config, revision=revision, dtype=dtype, config=config
         )
     return model_class.from_pretrained(base, revision=revision, dtype=dtype, config=config)
 

@@ -20,6 +20,7 @@ from hf_zo import TrajectoryMismatchError, ZOSFTTrainer, ZOTrainer, ZOTrajectory
 from hf_zo.cli import main as cli_main  # noqa: E402
 from hf_zo.models import (  # noqa: E402
     base_quantization_config,
+    from_pretrained_quantized,
     is_quantized,
     quantization_config_from_record,
     quantization_record,
@@ -99,6 +100,29 @@ def test_zo_lora_on_a_4bit_base_changes_only_the_adapter(base_dir, tmp_path):
     # The quantized weights, their quantization state and every other frozen tensor are bitwise unchanged.
     assert changed == {name for name in before if "lora_" in name}
     assert changed and all(after[name].dtype == torch.float32 for name in changed)
+
+
+def _mapped(folder) -> list[str]:
+    """This process's mappings of the files in `folder` (`/proc/self/maps`)."""
+    return [line for line in open("/proc/self/maps") if line.split()[-1].startswith(str(folder))]
+
+
+@pytest.mark.parametrize("flags", [FOUR_BIT, dict(load_in_8bit=True)], ids=["4bit", "8bit"])
+def test_a_base_quantized_on_load_reads_its_checkpoint_tensor_by_tensor_into_the_same_model(tmp_path, flags):
+    folder = tmp_path / "sharded"
+    tiny_causal_lm("llama").save_pretrained(folder, max_shard_size="30KB")
+    streamed = from_pretrained_quantized(AutoModelForCausalLM, str(folder), base_quantization_config(**flags))
+    # No tensor of the model lies in a mapping of the float32 checkpoint: nothing of it stays resident.
+    assert _mapped(folder) == []
+    assert is_quantized(streamed) and streamed.name_or_path == streamed.config.name_or_path == str(folder)
+    expected = _load(folder, **flags)
+    _assert_bitwise(streamed.state_dict(), expected.state_dict())
+    assert streamed.generation_config.to_dict() == expected.generation_config.to_dict()
+
+    # A base saved quantized is loaded as it is, by from_pretrained.
+    expected.save_pretrained(tmp_path / "quantized")
+    saved = from_pretrained_quantized(AutoModelForCausalLM, str(tmp_path / "quantized"), None)
+    _assert_bitwise(saved.state_dict(), expected.state_dict())
 
 
 def test_resume_and_replay_on_a_4bit_base_are_bitwise(base_dir, tmp_path):

@@ -60,7 +60,7 @@ from benchmarks.research.learning_curve import WallTimeBudget, read_movie_review
 from hf_zo import ZOConfig, ZOTrainer
 from hf_zo.demo.memory import PeakMemory
 from hf_zo.metrics import build_compute_metrics
-from hf_zo.models import base_quantization_config, embedded_llm_path, norm_module_names
+from hf_zo.models import base_quantization_config, embedded_llm_path, from_pretrained_quantized, norm_module_names
 from hf_zo.prompts import PromptClassification
 from hf_zo.training import PROMPT_ZO_DEFAULTS, prompt_lora_layers, prompt_lora_target_modules
 from hf_zo.training.defaults import lora_target_names
@@ -283,7 +283,7 @@ def build_model(
     tuning, or all of its weights (`method`); with `load_in_4bit` on a bitsandbytes NF4 base, prepared for a backward
     pass by `peft.prepare_model_for_kbit_training` when `first_order` (QLoRA)."""
     quantization = base_quantization_config(load_in_4bit=load_in_4bit, compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization)
+    model = from_pretrained_quantized(AutoModelForCausalLM, path, quantization, dtype=torch.float32)
     from peft import LNTuningConfig, LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
     if load_in_4bit and first_order:

@@ -13,16 +13,19 @@ from __future__ import annotations
 import enum
 import gc
 import importlib.util
+import os
 
 import torch
 
 from ..heap import return_freed_memory
 from ..pages import MappedPages
+from .streamed_checkpoint import StreamedCheckpoint, local_safetensors_files
 
 __all__ = [
     "QUANTIZATION_INSTALL",
     "SUPPORTED_QUANT_METHODS",
     "base_quantization_config",
+    "from_pretrained_quantized",
     "is_quantized",
     "quant_method",
     "quantization_config_from_record",
@@ -82,6 +85,50 @@ def base_quantization_config(
             bnb_4bit_compute_dtype=compute_dtype,
         )
     return None
+
+
+def from_pretrained_quantized(model_class, model_name_or_path: str, quantization_config=None, **kwargs):
+    """`model_class.from_pretrained(model_name_or_path, quantization_config=quantization_config, **kwargs)`, reading a
+    local full-precision checkpoint one tensor at a time when it is quantized on the fly.
+
+    transformers quantizes each weight from one mapping of the checkpoint that stays open until loading ends, so a
+    base quantized on load holds the whole full-precision model at the end of loading (556 MB on SmolLM2-135M, whose
+    4-bit base is 160 MB). Here the weights of a local safetensors folder come from a :class:`StreamedCheckpoint`
+    instead, each read into memory that is freed once it is quantized, so loading peaks near the quantized model's
+    size. Anything else (no quantization, a base saved quantized, a Hub id, a `.bin` checkpoint, a `subfolder` or
+    `variant`) goes to `from_pretrained` unchanged. The model is the same either way: same config, same weights.
+
+    Args:
+        model_class: a transformers model class or auto class (`AutoModelForCausalLM`, ...).
+        model_name_or_path (`str`): the checkpoint, as `from_pretrained` takes it.
+        quantization_config: the quantization config (:func:`base_quantization_config`), or `None`.
+        **kwargs: the other `from_pretrained` arguments (`dtype`, `config`, ...).
+    """
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.utils import GENERATION_CONFIG_NAME
+
+    files = local_safetensors_files(model_name_or_path)
+    config = kwargs.pop("config", None)
+    if quantization_config is not None and files is not None and not {"subfolder", "variant"} & set(kwargs):
+        if config is None:
+            config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+        if getattr(config, "quantization_config", None) is None:  # quantized on load, not saved quantized
+            kwargs.pop("revision", None)  # a local folder has no revisions
+            if hasattr(model_class, "_model_mapping"):  # an auto class: the model class it picks for this config
+                model_class = model_class._model_mapping[type(config)]
+            with StreamedCheckpoint(files) as checkpoint:
+                model = model_class.from_pretrained(
+                    None, config=config, state_dict=checkpoint, quantization_config=quantization_config, **kwargs
+                )
+            model.name_or_path = model.config.name_or_path = str(model_name_or_path)
+            if model.can_generate() and os.path.isfile(os.path.join(model_name_or_path, GENERATION_CONFIG_NAME)):
+                model.generation_config = GenerationConfig.from_pretrained(model_name_or_path)
+            return model
+    if config is not None:
+        kwargs["config"] = config
+    if quantization_config is not None:  # an explicit None would load a base saved quantized as a float one
+        kwargs["quantization_config"] = quantization_config
+    return model_class.from_pretrained(model_name_or_path, **kwargs)
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
