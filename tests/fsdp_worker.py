@@ -1,13 +1,15 @@
 """The program that `tests/test_fsdp.py` launches with `accelerate launch` and the FSDP2 CPU config (or runs in its own
 process, one thread, for the single-process reference).
 
-Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR``. Each rank trains tiny models with `ZOTrainer`, saves them
-with `save_model`, and writes ``OUT_DIR/rank{rank}.pt``: per run, the whole trainable parameters after training
-(gathered from the shards), the logged loss of every step, and the tensors and trajectory of the saved folder (rank 0).
+Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR`` (SCENARIO: `fsdp2`, `reference`, `hsdp`,
+`reference_hsdp`). Each rank trains tiny models with `ZOTrainer`, saves them with `save_model`, and writes
+``OUT_DIR/rank{rank}.pt``: per run, the whole trainable parameters after training (gathered from the shards), the
+logged loss of every step, and the tensors and trajectory of the saved folder (rank 0).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -74,7 +76,15 @@ def train(
 
 
 def run_scenario(scenario: str, out: Path) -> dict:
-    """Run the trainings of `scenario` on this rank; return ``{run name: results}``."""
+    """Run the trainings of `scenario` on this rank; return ``{run name: results}``. `hsdp` (four processes, two
+    groups of two shards) and its reference (one process, gradient accumulation 4) train the Llama, whole and with
+    LoRA."""
+    if scenario in ("hsdp", "reference_hsdp"):
+        accumulation = 4 if scenario == "reference_hsdp" else 1
+        return {
+            "llama": train(out, "llama", tiny_causal_lm("llama"), accumulation),
+            "llama_lora": train(out, "llama_lora", lora(tiny_causal_lm("llama")), accumulation),
+        }
     accumulation = 2 if scenario == "reference" else 1
     checkpoint = dict(save_strategy="steps", save_steps=2)  # checkpoint-2, which the FSDP2 launch resumes from
     runs = {}
@@ -93,6 +103,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
 def main(scenario: str, out: Path) -> None:
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("hf_zo").setLevel(logging.INFO)  # the layout line
     runs = run_scenario(scenario, out)
     with open(out / f"rank{os.environ.get('RANK', '0')}.pt", "wb") as f:
         torch.save(runs, f)

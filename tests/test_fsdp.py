@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsdp_worker
 import pytest
@@ -26,10 +27,12 @@ from hf_zo.parallel.fsdp import (
     check_fsdp_state_dict_type,
     check_fsdp_version,
     fsdp_version_from_env,
+    sharding_mesh,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "accelerate_configs" / "fsdp2_cpu_2_processes.yaml"
+HSDP_CONFIG = ROOT / "examples" / "accelerate_configs" / "fsdp2_cpu_2x2.yaml"
 BIN = Path(sys.executable).parent
 RUNS = [*fsdp_worker.FAMILIES, "llama_lora", "bert"]
 
@@ -57,8 +60,8 @@ def _run(command: list[str]) -> str:
     return output
 
 
-def _launch_fsdp2(script: Path, *args: str) -> str:
-    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(CONFIG), str(script), *args])
+def _launch_fsdp2(script: Path, *args: str, config: Path = CONFIG) -> str:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config), str(script), *args])
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,32 @@ def test_fsdp2_runs_move_their_weights(reference):
     base = fsdp_worker.lora(fsdp_worker.tiny_causal_lm("llama"))
     start = {n: p.detach() for n, p in base.named_parameters() if p.requires_grad}
     assert all(not torch.equal(start[n], p) for n, p in reference["llama_lora"]["params"].items())
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_over_two_groups_of_two_shards_equals_gradient_accumulation_4(tmp_path):
+    # HSDP, fsdp2_cpu_2x2.yaml: two groups each hold the model in two shards; the four processes run their own
+    # micro-batches and exchange the losses as ZO data parallelism does, so the steps are one process's with
+    # gradient accumulation 4, and the replicas' shards stay equal.
+    output = _launch_fsdp2(ROOT / "tests" / "fsdp_worker.py", "hsdp", str(tmp_path), config=HSDP_CONFIG)
+    lines = {line[line.index("hf_zo layout") :] for line in output.splitlines() if "hf_zo layout: fsdp2" in line}
+    assert len(lines) == 2  # one per run, the same on every rank
+    for line in lines:
+        fields = dict(field.split("=") for field in line.split()[3:])
+        assert fields["world"] == "4" and fields["replicas"] == "2"
+        assert int(fields["local_param_bytes"]) <= 0.6 * int(fields["total_param_bytes"])  # half of each block
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = fsdp_worker.run_scenario("reference_hsdp", tmp_path / "reference")
+    finally:
+        torch.set_num_threads(threads)
+    for run, expected in reference.items():
+        assert ranks[0][run]["losses"] == expected["losses"], run
+        _assert_bitwise_equal(ranks[0][run]["saved"], expected["saved"])
+        for rank in ranks:
+            _assert_bitwise_equal(rank[run]["params"], expected["params"])
 
 
 @pytest.mark.slow
@@ -218,7 +247,6 @@ def test_a_sharded_state_dict_type_is_refused_when_the_trainer_is_built(monkeypa
         (dict(offload="disk"), "zo_offload='disk' cannot combine with FSDP2.*launch without FSDP and keep zo_offload"),
         (dict(pertp_size=2), "zo_perturbation_parallel_size=2 cannot combine with FSDP2.*=1"),
         (dict(engine="dual"), "zo_engine='dual' cannot combine with FSDP2.*zo_engine='sequential'"),
-        (dict(replicate_size=2), "parallelism_config_dp_replicate_size=2 cannot combine.*replicate_size: 1"),
     ],
 )
 def test_what_fsdp2_does_not_combine_with_is_refused(kwargs, message):
@@ -227,21 +255,28 @@ def test_what_fsdp2_does_not_combine_with_is_refused(kwargs, message):
         check_fsdp_layout(2, **kwargs)
 
 
-def test_fsdp2_over_two_data_parallel_groups_is_refused_at_construction(monkeypatch):
-    # A launch config with parallelism_config_dp_replicate_size 2 (HSDP: two groups of sharded replicas, as the
-    # cpu_2x2 layout's two data-parallel groups) would otherwise be sharded over all processes without a word.
+def test_the_groups_of_sharded_replicas_are_read_from_accelerate_launch(monkeypatch):
+    # A launch config's parallelism_config_dp_replicate_size (HSDP: groups of processes that each shard the model).
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
-    with pytest.raises(ValueError, match="dp_replicate_size=2 cannot combine with hf_zo's FSDP2 yet.*(HSDP)"):
-        DistZOPlugin()
+    assert DistZOPlugin().fsdp_replicate_size == 2
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")  # what accelerate launch sets by default
-    assert DistZOPlugin().fsdp_version == 2
+    assert DistZOPlugin().fsdp_replicate_size == 1
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")  # without FSDP the parallelism config is not hf_zo's
-    assert DistZOPlugin().fsdp_version is None
+    assert DistZOPlugin().fsdp_replicate_size == 1
+    with pytest.raises(ValueError, match="fsdp_replicate_size must be an integer >= 1, got 0"):
+        DistZOPlugin(fsdp_version=2, fsdp_replicate_size=0)
+
+
+def test_groups_of_sharded_replicas_must_divide_the_processes():
+    four_processes = SimpleNamespace(size=lambda: 4)
+    with pytest.raises(ValueError, match="dp_replicate_size=3 must divide the 4 processes"):
+        sharding_mesh(four_processes, 3)
+    assert sharding_mesh(four_processes, 1) is four_processes
 
 
 def test_the_plugin_refuses_fsdp2_with_offload_at_construction():

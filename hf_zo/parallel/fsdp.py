@@ -50,6 +50,7 @@ __all__ = [
     "load_saved_shards",
     "param_bytes",
     "shard_model",
+    "sharding_mesh",
 ]
 
 
@@ -104,14 +105,31 @@ def check_fsdp_state_dict_type(fsdp_version: int | None, state_dict_type: str | 
 def hsdp_replicate_size_from_env() -> int:
     """How many replicas of the sharded model an `accelerate launch` asked for (`PARALLELISM_CONFIG_DP_REPLICATE_SIZE`,
     which its config's `parallelism_config.parallelism_config_dp_replicate_size` sets: FSDP2 over groups, HSDP); 1
-    when it asked for none."""
+    when it asked for none.
+
+    Raises:
+        `ValueError`: when the parallelism config asks for tensor, context or sequence parallelism, which hf_zo's
+            FSDP2 does not build (it shards the model itself and would ignore them).
+    """
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() not in ("1", "true", "yes"):
         return 1
-    value = os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")
+    for dimension in ("TP", "CP", "SP"):
+        if _env_int(f"PARALLELISM_CONFIG_{dimension}_SIZE") > 1:
+            raise ValueError(
+                f"parallelism_config_{dimension.lower()}_size={_env_int(f'PARALLELISM_CONFIG_{dimension}_SIZE')} "
+                "cannot combine with hf_zo's FSDP2, which shards over data-parallel dimensions only: set it to 1 in "
+                "the accelerate config's parallelism_config (keep parallelism_config_dp_replicate_size for groups of "
+                "sharded replicas)."
+            )
+    return _env_int("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "1")
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE must be an integer, got {value!r}.") from None
+        raise ValueError(f"{name} must be an integer, got {value!r}.") from None
 
 
 def check_fsdp_layout(
@@ -119,22 +137,12 @@ def check_fsdp_layout(
     offload: str | None = None,
     pertp_size: int = 1,
     engine: str | None = None,
-    replicate_size: int = 1,
 ) -> None:
     """Raise when FSDP2 (`fsdp_version` 2) is asked for with what it does not combine with yet, naming the
-    alternative: offloaded blocks (`offload`), perturbation parallelism (`pertp_size` > 1), the dual engine
-    (`engine`, `zo_engine`; `None` when not known yet) or several groups of sharded replicas (`replicate_size` > 1,
-    HSDP)."""
+    alternative: offloaded blocks (`offload`), perturbation parallelism (`pertp_size` > 1) or the dual engine
+    (`engine`, `zo_engine`; `None` when not known yet)."""
     if fsdp_version != 2:
         return
-    if replicate_size > 1:
-        raise ValueError(
-            f"parallelism_config_dp_replicate_size={replicate_size} cannot combine with hf_zo's FSDP2 yet: ZO data "
-            "parallelism over groups of sharded replicas (HSDP) is not built. Shard over all processes instead "
-            "(parallelism_config_dp_replicate_size: 1, or no parallelism_config): FSDP2 on N processes already runs "
-            "each process's own micro-batches as ZO data parallelism does, the steps of one process with gradient "
-            "accumulation N. Or launch without FSDP for ZO data parallelism over whole replicas (cpu_2x2.yaml)."
-        )
     if offload is not None:
         raise ValueError(
             f"zo_offload={offload!r} cannot combine with FSDP2: offload streams whole blocks from each process's "
@@ -156,6 +164,29 @@ def check_fsdp_layout(
         )
 
 
+def sharding_mesh(dp_mesh: DeviceMesh, replicate_size: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over: `dp_mesh` itself (every process holds one shard), or, with `replicate_size` > 1,
+    a ``("dp_replicate", "dp_shard")`` mesh over the same processes (HSDP): `replicate_size` groups of consecutive
+    ranks, each holding the whole model in shards, whose forwards gather only within their group.
+
+    Raises:
+        `ValueError`: when `replicate_size` does not divide the number of processes.
+    """
+    if replicate_size == 1:
+        return dp_mesh
+    world = dp_mesh.size()
+    if replicate_size < 1 or world % replicate_size:
+        raise ValueError(
+            f"parallelism_config_dp_replicate_size={replicate_size} must divide the {world} processes: each of its "
+            "groups shards the model over the same number of processes. Launch a multiple of it, or change it."
+        )
+    return DeviceMesh(
+        dp_mesh.device_type,
+        dp_mesh.mesh.view(replicate_size, world // replicate_size),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+    )
+
+
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Shard `model` in place with FSDP2 over `mesh`: each repeated block, the input and output embeddings when
     they are not tied (so that a forward never holds both whole at once), then the root, all resharded after their
@@ -163,7 +194,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
     Args:
         model (`nn.Module`): a transformers model, possibly wrapped by PEFT, identical on every process.
-        mesh (`DeviceMesh`): a one-dimensional mesh over the processes that share the parameters.
+        mesh (`DeviceMesh`): the processes that share the parameters: one dimension (each holds a shard), or two
+            (:func:`sharding_mesh`: replicas of the sharded model, HSDP).
 
     Returns:
         `nn.Module`: `model`, now an `FSDPModule` whose parameters are `DTensor`s.

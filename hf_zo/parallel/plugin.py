@@ -26,6 +26,7 @@ from .fsdp import (
     hsdp_replicate_size_from_env,
     param_bytes,
     shard_model,
+    sharding_mesh,
 )
 from .mesh import ZOMesh, build_mesh, default_backend, destroy_process_group
 from .replicas import sync_replicas
@@ -96,6 +97,12 @@ class DistZOPlugin:
             What checkpoints hold under FSDP2: only `"FULL_STATE_DICT"` (the whole weights, an ordinary Hugging Face
             folder; also what `None` saves) is supported, another type is refused. Environment: Accelerate's
             `FSDP_STATE_DICT_TYPE` (the config's `fsdp_config.fsdp_state_dict_type`).
+        fsdp_replicate_size (`int`, *optional*):
+            Under FSDP2, how many groups of processes each hold the whole model in shards (HSDP): a forward gathers
+            the shards of its own group only, and the groups exchange the step's loss scalars as every process
+            does. Must divide the number of processes. Environment: Accelerate's
+            `PARALLELISM_CONFIG_DP_REPLICATE_SIZE` (the config's
+            `parallelism_config.parallelism_config_dp_replicate_size`); default 1 (one shard per process).
 
     Attributes:
         mesh (`ZOMesh`): this rank's place in the layout, once :meth:`setup` has run.
@@ -119,6 +126,7 @@ class DistZOPlugin:
     sliced_upload: bool | None = None
     fsdp_version: int | None = None
     fsdp_state_dict_type: str | None = None
+    fsdp_replicate_size: int | None = None
     mesh: ZOMesh | None = field(default=None, init=False, repr=False)
     collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
     replica_collectives: ScalarCollectives | None = field(default=None, init=False, repr=False)
@@ -151,10 +159,11 @@ class DistZOPlugin:
         if self.fsdp_state_dict_type is None:
             self.fsdp_state_dict_type = fsdp_state_dict_type_from_env()
         check_fsdp_state_dict_type(self.fsdp_version, self.fsdp_state_dict_type)
-        replicate_size = hsdp_replicate_size_from_env() if self.fsdp_version == 2 else 1
-        check_fsdp_layout(
-            self.fsdp_version, self.offload, self.perturbation_parallel_size, replicate_size=replicate_size
-        )
+        if self.fsdp_replicate_size is None:
+            self.fsdp_replicate_size = hsdp_replicate_size_from_env() if self.fsdp_version == 2 else 1
+        if not isinstance(self.fsdp_replicate_size, int) or self.fsdp_replicate_size < 1:
+            raise ValueError(f"fsdp_replicate_size must be an integer >= 1, got {self.fsdp_replicate_size!r}.")
+        check_fsdp_layout(self.fsdp_version, self.offload, self.perturbation_parallel_size)
 
     @classmethod
     def from_zo_config(cls, args) -> DistZOPlugin:
@@ -265,12 +274,17 @@ class DistZOPlugin:
         """Shard `model` over the data-parallel dimension of the mesh (every process, as perturbation parallelism
         does not combine with FSDP2) and log its layout line."""
         mesh = self.setup()
-        shard_model(model, mesh.device_mesh["dp"])
+        shard_model(model, sharding_mesh(mesh.device_mesh["dp"], self.fsdp_replicate_size))
         self.sharded_model = model
         local, total = param_bytes(model)
         largest = int(self.replica_collectives.all_gather(torch.tensor([local]), mesh.dp_group).max())
+        replicas = f" replicas={self.fsdp_replicate_size}" if self.fsdp_replicate_size > 1 else ""
         logger.info(
-            "hf_zo layout: fsdp2 world=%d local_param_bytes=%d total_param_bytes=%d", mesh.world_size, largest, total
+            "hf_zo layout: fsdp2 world=%d local_param_bytes=%d total_param_bytes=%d%s",
+            mesh.world_size,
+            largest,
+            total,
+            replicas,
         )
 
     def layout(self) -> ParallelEstimation | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate.utils import patch_environment
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
@@ -49,10 +50,14 @@ class ZOLayoutMixin:
     def create_accelerator_and_postprocess(self) -> None:
         """`Trainer.create_accelerator_and_postprocess`. Under FSDP2 hf_zo shards the model itself and gathers it to
         save, so `Trainer` keeps its plain path, on GPUs as on CPUs (where Accelerate sets up no FSDP state): it
-        neither wraps the model nor swaps the optimizer's parameters."""
-        super().create_accelerator_and_postprocess()
+        neither wraps the model nor swaps the optimizer's parameters. hf_zo reads the launch's parallelism config
+        itself (its groups of sharded replicas), so Accelerate is kept from building a mesh of its own for it."""
         if self.zo_plugin.fsdp_version == 2:
+            with patch_environment(accelerate_use_parallelism_config="false"):
+                super().create_accelerator_and_postprocess()
             self.is_fsdp_enabled = False
+        else:
+            super().create_accelerator_and_postprocess()
 
     def _add_zo_replica_check(self) -> None:
         """In a multi-process run, check every `zo_verify_replicas_steps` that the replicas are still identical (not
