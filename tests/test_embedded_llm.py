@@ -97,6 +97,17 @@ SENTENCES = [
 ]
 
 
+def test_a_safetensors_file_is_rewritten_with_its_tensors_aligned(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "model.safetensors"
+    tensors = {"a": torch.randn(16, 4), "b": torch.randn(48), "odd_name_length": torch.arange(32.0)}
+    save_file(tensors, path, metadata={"format": "pt"})
+    smollm2._align_tensors(path, 64)
+    assert all(start % 64 == 0 for start in smollm2._tensor_starts(path))
+    assert all(torch.equal(load_file(path)[name], tensor) for name, tensor in tensors.items())
+
+
 @pytest.fixture(scope="module")
 def llm():
     """The materialised folder and a tokenizer (materialised once per machine, about 50 s the first time)."""
@@ -149,6 +160,8 @@ def test_the_materialised_folder_is_a_plain_llama_that_answers(llm):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config")
+    # The file's tensors are aligned, so the weights mapped from it are too (as FSDP2's gathered ones are).
+    assert all(p.data_ptr() % smollm2.TENSOR_ALIGNMENT == 0 for p in model.parameters())
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
