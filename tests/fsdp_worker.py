@@ -1,8 +1,8 @@
 """The program that `tests/test_fsdp.py` launches with `accelerate launch` and the FSDP2 CPU config (or runs in its own
 process, one thread, for the single-process reference).
 
-Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR`` (SCENARIO: `fsdp2`, `reference`, `hsdp`,
-`reference_hsdp`). Each rank trains tiny models with `ZOTrainer`, saves them with `save_model`, and writes
+Usage: ``python tests/fsdp_worker.py SCENARIO OUT_DIR`` (SCENARIO: `fsdp2`, `reference`, `sharded`,
+`hsdp`, `reference_hsdp`). Each rank trains tiny models with `ZOTrainer`, saves them with `save_model`, and writes
 ``OUT_DIR/rank{rank}.pt``: per run, the whole trainable parameters after training (gathered from the shards), the
 logged loss of every step, and the tensors and trajectory of the saved folder (rank 0).
 """
@@ -79,6 +79,16 @@ def run_scenario(scenario: str, out: Path) -> dict:
     """Run the trainings of `scenario` on this rank; return ``{run name: results}``. `hsdp` (four processes, two
     groups of two shards) and its reference (one process, gradient accumulation 4) train the Llama, whole and with
     LoRA."""
+    if scenario == "sharded":  # launched with fsdp_state_dict_type SHARDED_STATE_DICT
+        checkpoint = dict(save_strategy="steps", save_steps=2)
+        runs = {}
+        for run, make in (
+            ("llama", lambda: tiny_causal_lm("llama")),
+            ("llama_lora", lambda: lora(tiny_causal_lm("llama"))),
+        ):
+            runs[run] = train(out, run, make(), **checkpoint)
+            runs[f"{run}_resumed"] = train(out, f"{run}_resumed", make(), resume=str(out / run / "checkpoint-2"))
+        return runs
     if scenario in ("hsdp", "reference_hsdp"):
         accumulation = 4 if scenario == "reference_hsdp" else 1
         return {

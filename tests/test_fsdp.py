@@ -60,8 +60,8 @@ def _run(command: list[str]) -> str:
     return output
 
 
-def _launch_fsdp2(script: Path, *args: str, config: Path = CONFIG) -> str:
-    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config), str(script), *args])
+def _launch_fsdp2(script: Path, *args: str, config: Path = CONFIG, launcher: tuple[str, ...] = ()) -> str:
+    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(config), *launcher, str(script), *args])
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,25 @@ def test_fsdp2_runs_move_their_weights(reference):
     base = fsdp_worker.lora(fsdp_worker.tiny_causal_lm("llama"))
     start = {n: p.detach() for n, p in base.named_parameters() if p.requires_grad}
     assert all(not torch.equal(start[n], p) for n, p in reference["llama_lora"]["params"].items())
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_sharded_checkpoints_resume_bitwise(reference, tmp_path):
+    # fsdp_state_dict_type SHARDED_STATE_DICT: each checkpoint holds every process's shards
+    # (torch.distributed.checkpoint), and a resume from it continues as the uninterrupted run; save_model still
+    # writes the whole weights.
+    launcher = ("--fsdp_state_dict_type", "SHARDED_STATE_DICT")
+    _launch_fsdp2(ROOT / "tests" / "fsdp_worker.py", "sharded", str(tmp_path), launcher=launcher)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for run in ("llama", "llama_lora"):
+        checkpoint = tmp_path / run / "checkpoint-2"
+        assert (checkpoint / "pytorch_model_fsdp_0").is_dir()
+        assert not any(checkpoint.glob("*.safetensors"))  # no gathered weights in a sharded checkpoint
+        for rank in ranks:
+            for name in (run, f"{run}_resumed"):
+                _assert_bitwise_equal(rank[name]["params"], reference[run]["params"])
+        _assert_bitwise_equal(ranks[0][f"{run}_resumed"]["saved"], reference[run]["saved"])
+        assert ranks[0][f"{run}_resumed"]["losses"] == reference[run]["losses"]
 
 
 @pytest.mark.multiprocess
@@ -223,26 +242,27 @@ def test_fsdp_version_is_read_from_accelerate_launch(monkeypatch):
         DistZOPlugin()
 
 
-@pytest.mark.parametrize("value", ["SHARDED_STATE_DICT", "sharded_state_dict", "3", "LOCAL_STATE_DICT"])
-def test_a_sharded_state_dict_type_is_refused_when_the_trainer_is_built(monkeypatch, tmp_path, value):
-    # Checkpoints under FSDP2 hold the whole weights; Accelerate's sharded type would be silently ignored otherwise.
+@pytest.mark.parametrize("value", ["LOCAL_STATE_DICT", "local_state_dict", "2"])
+def test_a_local_state_dict_type_is_refused_when_the_trainer_is_built(monkeypatch, tmp_path, value):
+    # Checkpoints under FSDP2 hold the whole weights or each process's shards; FSDP1's local type has no meaning here.
     from hf_zo import ZOConfig, ZOTrainer
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_STATE_DICT_TYPE", value)
     args = ZOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
-    expected = {"3": "SHARDED_STATE_DICT"}.get(value, value.upper())
-    message = (
-        f"fsdp_state_dict_type='{expected}' cannot combine with hf_zo's FSDP2.*fsdp_state_dict_type: FULL_STATE_DICT"
-    )
+    message = "fsdp_state_dict_type='LOCAL_STATE_DICT' cannot combine with hf_zo's FSDP2.*FSDP_STATE_DICT_TYPE"
     with pytest.raises(ValueError, match=message):
         ZOTrainer(model=fsdp_worker.tiny_causal_lm("llama"), args=args, train_dataset=fsdp_worker.lm_dataset(4))
     with pytest.raises(ValueError, match=message):
         DistZOPlugin()
-    for accepted in ("FULL_STATE_DICT", "1"):
+    for accepted, expected in (
+        ("FULL_STATE_DICT", "FULL_STATE_DICT"),
+        ("1", "FULL_STATE_DICT"),
+        ("3", "SHARDED_STATE_DICT"),
+    ):
         monkeypatch.setenv("FSDP_STATE_DICT_TYPE", accepted)
-        assert DistZOPlugin().fsdp_state_dict_type == "FULL_STATE_DICT"
+        assert DistZOPlugin().fsdp_state_dict_type == expected
     monkeypatch.delenv("FSDP_STATE_DICT_TYPE")
     assert DistZOPlugin().fsdp_state_dict_type is None  # unset: the whole weights are saved
     check_fsdp_state_dict_type(None, "SHARDED_STATE_DICT")  # without FSDP the type means nothing

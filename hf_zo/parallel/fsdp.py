@@ -26,6 +26,7 @@ import logging
 import os
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +41,7 @@ from ..noise import local_shard
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SHARDED_CHECKPOINT_NAME",
     "ShardedForwards",
     "check_fsdp_layout",
     "check_fsdp_state_dict_type",
@@ -49,6 +51,7 @@ __all__ = [
     "hsdp_replicate_size_from_env",
     "load_saved_shards",
     "param_bytes",
+    "save_sharded_checkpoint",
     "shard_model",
     "sharding_mesh",
 ]
@@ -90,15 +93,15 @@ def fsdp_state_dict_type_from_env() -> str | None:
 
 
 def check_fsdp_state_dict_type(fsdp_version: int | None, state_dict_type: str | None) -> None:
-    """Raise when FSDP2 is asked to save checkpoints with another state-dict type than `FULL_STATE_DICT` (`None`:
-    not asked, the whole weights are saved)."""
-    if fsdp_version != 2 or state_dict_type in (None, "FULL_STATE_DICT"):
+    """Raise when FSDP2 is asked to save checkpoints with another state-dict type than `FULL_STATE_DICT` or
+    `SHARDED_STATE_DICT` (`None`: not asked, the whole weights are saved)."""
+    if fsdp_version != 2 or state_dict_type in (None, "FULL_STATE_DICT", "SHARDED_STATE_DICT"):
         return
     raise ValueError(
-        f"fsdp_state_dict_type={state_dict_type!r} cannot combine with hf_zo's FSDP2: its checkpoints and save_model "
-        "hold the whole weights (an ordinary Hugging Face folder, which each process reads its rows of to resume), "
-        "never per-process shards. Set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config's fsdp_config "
-        "(FSDP_STATE_DICT_TYPE=FULL_STATE_DICT)."
+        f"fsdp_state_dict_type={state_dict_type!r} cannot combine with hf_zo's FSDP2: its checkpoints hold either the "
+        "whole weights (FULL_STATE_DICT, an ordinary Hugging Face folder) or each process's shards of them "
+        "(SHARDED_STATE_DICT, torch.distributed.checkpoint), and save_model always writes the whole weights. Set "
+        "fsdp_state_dict_type to one of those in the accelerate config's fsdp_config (FSDP_STATE_DICT_TYPE)."
     )
 
 
@@ -243,17 +246,38 @@ def param_bytes(model: nn.Module) -> tuple[int, int]:
 
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
 
+SHARDED_CHECKPOINT_NAME = "pytorch_model_fsdp_0"
+"""The folder of a checkpoint that holds each process's shards (Accelerate's name for FSDP's sharded state dict)."""
+
+
+def save_sharded_checkpoint(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Write each process's shards of the trainable parameters of the FSDP2-sharded `model` into
+    ``folder/pytorch_model_fsdp_0`` with `torch.distributed.checkpoint` (every process takes part; nothing is
+    gathered). The frozen base of an adapter is not saved: it never changes. :func:`load_saved_shards` reads it
+    back."""
+    dcp.save(_trainable_shards(model), checkpoint_id=os.path.join(folder, SHARDED_CHECKPOINT_NAME))
+
+
+def _trainable_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach() for name, param in model.named_parameters() if param.requires_grad}
+
 
 def load_saved_shards(model: nn.Module, folder: str | os.PathLike) -> None:
-    """Load into each parameter of the FSDP2-sharded `model` its shard of the weights saved in `folder` (a
-    checkpoint or a `save_model` folder: whole tensors, in safetensors, possibly split into several files, as
-    `save_model` writes them). A PEFT model loads its adapter (the frozen base stays as it is). No process sends
-    anything: each reads the file and keeps its own rows.
+    """Load into each parameter of the FSDP2-sharded `model` its shard of the weights saved in `folder`: the shards
+    of a sharded checkpoint (:func:`save_sharded_checkpoint`, read with `torch.distributed.checkpoint`), or the whole
+    tensors of a checkpoint or `save_model` folder (safetensors, possibly split into several files), of which each
+    process keeps its own rows without sending anything. A PEFT model loads its adapter (the frozen base stays as it
+    is).
 
     Raises:
         `FileNotFoundError`: when `folder` holds no weights file.
         `ValueError`: when a parameter of `model` is missing from the saved weights.
     """
+    if os.path.isdir(os.path.join(folder, SHARDED_CHECKPOINT_NAME)):
+        shards = _trainable_shards(model)
+        with torch.no_grad():
+            dcp.load(shards, checkpoint_id=os.path.join(folder, SHARDED_CHECKPOINT_NAME))  # into the shards in place
+        return
     saved = _read_weights(folder)
     adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
     with torch.no_grad():

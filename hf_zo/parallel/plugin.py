@@ -94,9 +94,11 @@ class DistZOPlugin:
             does. Environment: Accelerate's own (`ACCELERATE_USE_FSDP` and `FSDP_VERSION`, set by `accelerate
             launch` from a config with `distributed_type: FSDP` and `fsdp_version: 2`); default `None` (replicas).
         fsdp_state_dict_type (`str`, *optional*):
-            What checkpoints hold under FSDP2: only `"FULL_STATE_DICT"` (the whole weights, an ordinary Hugging Face
-            folder; also what `None` saves) is supported, another type is refused. Environment: Accelerate's
-            `FSDP_STATE_DICT_TYPE` (the config's `fsdp_config.fsdp_state_dict_type`).
+            What checkpoints hold under FSDP2: `"FULL_STATE_DICT"` (the whole weights, an ordinary Hugging Face
+            folder; also what `None` saves) or `"SHARDED_STATE_DICT"` (each process's shards, with
+            `torch.distributed.checkpoint`); `save_model` writes the whole weights either way, and another type is
+            refused. Environment: Accelerate's `FSDP_STATE_DICT_TYPE` (the config's
+            `fsdp_config.fsdp_state_dict_type`).
         fsdp_replicate_size (`int`, *optional*):
             Under FSDP2, how many groups of processes each hold the whole model in shards (HSDP): a forward gathers
             the shards of its own group only, and the groups exchange the step's loss scalars as every process

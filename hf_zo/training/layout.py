@@ -13,7 +13,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from ..parallel import DistZOPlugin
-from ..parallel.fsdp import check_fsdp_layout, load_saved_shards
+from ..parallel.fsdp import check_fsdp_layout, load_saved_shards, save_sharded_checkpoint
 from ..parallel.replicas import ReplicaCallback
 from .checks import check_parallel_mode, check_sampling_fits_layout
 
@@ -103,7 +103,15 @@ class ZOLayoutMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`; under FSDP2 every rank first takes part in gathering the whole weights, which the
-        saving process writes as an ordinary Hugging Face folder (it loads without FSDP)."""
+        saving process writes as an ordinary Hugging Face folder (it loads without FSDP). A checkpoint under
+        `fsdp_state_dict_type: SHARDED_STATE_DICT` holds each rank's shards instead, nothing gathered."""
+        sharded = self.zo_plugin.shards_parameters and self.zo_plugin.fsdp_state_dict_type == "SHARDED_STATE_DICT"
+        if sharded and getattr(self, "_zo_staging", False):  # a checkpoint (`_save_checkpoint` stages it)
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            save_sharded_checkpoint(self.model, output_dir)
+            if self.args.should_save:
+                self._save_beside_the_weights(output_dir)
+            return
         if self.zo_plugin.shards_parameters:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             whole = get_model_state_dict(self.model, options=options)
@@ -138,16 +146,19 @@ class ZOLayoutMixin:
             state_dict=self.zo_offloader.saving_state_dict(self.model),
             max_shard_size=2 * self.zo_offloader.largest_block_bytes,
         )
-        # What `Trainer._save` writes beside the weights.
+        self._save_beside_the_weights(output_dir)
+        return None
+
+    def _save_beside_the_weights(self, output_dir: str) -> None:
+        """What `Trainer._save` writes beside the weights: the tokenizer and the training arguments."""
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        """`Trainer._load_from_checkpoint`; under FSDP2 each rank loads its shards of the checkpoint's whole weights
-        (`hf_zo.parallel.fsdp.load_saved_shards`)."""
+        """`Trainer._load_from_checkpoint`; under FSDP2 each rank loads its shards of the checkpoint's weights, saved
+        whole or in shards (`hf_zo.parallel.fsdp.load_saved_shards`)."""
         if not self.zo_plugin.shards_parameters:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_saved_shards(self.model if model is None else model, resume_from_checkpoint)
