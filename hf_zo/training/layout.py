@@ -110,7 +110,7 @@ class ZOLayoutMixin:
             output_dir = output_dir if output_dir is not None else self.args.output_dir
             save_sharded_checkpoint(self.model, output_dir)
             if self.args.should_save:
-                self._save_beside_the_weights(output_dir)
+                self._zo_save_beside_the_weights(output_dir)
             return
         if self.zo_plugin.shards_parameters:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -146,10 +146,10 @@ class ZOLayoutMixin:
             state_dict=self.zo_offloader.saving_state_dict(self.model),
             max_shard_size=2 * self.zo_offloader.largest_block_bytes,
         )
-        self._save_beside_the_weights(output_dir)
+        self._zo_save_beside_the_weights(output_dir)
         return None
 
-    def _save_beside_the_weights(self, output_dir: str) -> None:
+    def _zo_save_beside_the_weights(self, output_dir: str) -> None:
         """What `Trainer._save` writes beside the weights: the tokenizer and the training arguments."""
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None:
