@@ -22,11 +22,12 @@ import importlib.util
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import torch
 from transformers.utils import logging
+
+from ..safetensors_files import read_safetensors_header
 
 logger = logging.get_logger(__name__)
 
@@ -190,8 +191,6 @@ def _align_tensors(path: Path, alignment: int) -> None:
 
 def _tensor_starts(path: Path) -> list[int]:
     """The file offsets of the tensors of the safetensors file `path`, in file order."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    header, start = read_safetensors_header(str(path))
     header.pop("__metadata__", None)
-    return sorted(8 + length + entry["data_offsets"][0] for entry in header.values())
+    return sorted(start + entry["data_offsets"][0] for entry in header.values())

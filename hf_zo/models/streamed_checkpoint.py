@@ -15,29 +15,15 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 from collections.abc import Iterator, Mapping
 
 import torch
 
 from ..heap import return_freed_memory
+from ..safetensors_files import SAFETENSORS_DTYPES, read_safetensors_header
 
 __all__ = ["StreamedCheckpoint", "StreamedTensor", "local_safetensors_files"]
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 _OWN_MAPPING_BYTES = 1 << 20
 """Tensors from this size up are read into an anonymous mapping of their own; smaller ones into ordinary memory."""
@@ -66,10 +52,10 @@ class StreamedTensor:
     """
 
     def __init__(self, file, name: str, dtype: str, shape: list[int], offset: int, nbytes: int):
-        if dtype not in _DTYPES:
+        if dtype not in SAFETENSORS_DTYPES:
             raise ValueError(
                 f"Tensor {name!r} of {file.name} has dtype {dtype!r}, which this reader does not know "
-                f"(it reads {sorted(_DTYPES)}): load the checkpoint with `from_pretrained(path)` instead."
+                f"(it reads {sorted(SAFETENSORS_DTYPES)}): load the checkpoint with `from_pretrained(path)` instead."
             )
         self._file = file
         self.name = name
@@ -91,7 +77,7 @@ class StreamedTensor:
 
     def read(self) -> torch.Tensor:
         """The whole tensor, read from disk into memory of its own."""
-        dtype = _DTYPES[self._dtype]
+        dtype = SAFETENSORS_DTYPES[self._dtype]
         return_freed_memory()
         if self._nbytes == 0:
             return torch.empty(self._shape, dtype=dtype)
@@ -130,15 +116,12 @@ class StreamedCheckpoint(Mapping):
             for path in files:
                 file = open(path, "rb")  # noqa: SIM115 (closed by close())
                 self._files.append(file)
-                self._index(file)
+                self._index(file, *read_safetensors_header(path))
         except BaseException:
             self.close()
             raise
 
-    def _index(self, file) -> None:
-        (header_bytes,) = struct.unpack("<Q", file.read(8))
-        header = json.loads(file.read(header_bytes))
-        start = 8 + header_bytes
+    def _index(self, file, header: dict, start: int) -> None:
         for name, entry in header.items():
             if name == "__metadata__":
                 continue

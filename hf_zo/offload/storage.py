@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 import warnings
 import weakref
@@ -31,6 +29,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging
 
 from ..pages import release_mapped
+from ..safetensors_files import SAFETENSORS_DTYPES, read_safetensors_header
 
 logger = logging.get_logger(__name__)
 
@@ -245,28 +244,6 @@ def _remove_folders(folders: list[str]) -> None:
         except OSError:
             break
     folders.clear()
-
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-"""The torch dtype of each dtype name of a safetensors header."""
-
-
-def read_safetensors_header(path: str) -> tuple[dict, int]:
-    """The JSON header of the safetensors file `path` and the offset at which its tensor data starts."""
-    with open(path, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        return json.loads(handle.read(header_size)), 8 + header_size
 
 
 def _map_safetensors(path: str, names: Sequence[str], mode: str = "r+") -> list[torch.Tensor]:

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
-from ..offload.storage import SAFETENSORS_DTYPES, read_safetensors_header
 from ..pages import MappedPages
+from ..safetensors_files import SAFETENSORS_DTYPES, read_safetensors_header
 
 logger = logging.get_logger(__name__)
 
